@@ -1,0 +1,37 @@
+"""Open a model of a bundle on the chosen backend, with its KV cache carved from the shared arena."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from runtime.bundle import Bundle, BackendFiles
+from runtime.config import BackendConfig
+from runtime.errors import BundleError
+from runtime.kv import KVCache
+from runtime.model_spec import ModelSpec
+from runtime.tensors import read_safetensors
+
+BACKENDS = ("numpy_ref", "onnx", "gguf", "tensorrt")
+
+
+def load_weights(bundle: Bundle, files: Sequence[str]) -> dict:
+    weights = {}
+    for rel in files:
+        if rel.endswith(".safetensors"):
+            weights.update(read_safetensors(bundle.path(rel)))
+    return weights
+
+
+def open_model(bundle: Bundle, spec: ModelSpec, files: BackendFiles, backend: BackendConfig, cache: KVCache,
+               taps: Sequence[str] = (), label: str = "target"):
+    """A TargetBackend for `spec` whose weights/graphs are `files` of `bundle`."""
+    if backend.kind == "numpy_ref":
+        from runtime.backends.numpy_ref import NumpyTarget
+        return NumpyTarget(spec, load_weights(bundle, files.files), cache, source=f"{bundle.root} ({label})")
+    if backend.kind == "onnx":
+        from runtime.backends.onnx import OnnxTarget
+        graphs = [f for f in files.files if f.endswith(".onnx")]
+        if not graphs:
+            raise BundleError(f"{bundle.root}: {label} has no .onnx graph; run `edgespec export --to onnx --bundle {bundle.root}`")
+        return OnnxTarget(spec, bundle.path(graphs[0]), cache, providers=backend.providers, threads=backend.threads,
+                          tap_names=tuple(files.params.get("taps", ("final_norm",))))
+    raise BundleError(f"backend {backend.kind!r} cannot run on this machine (available here: numpy_ref, onnx)")

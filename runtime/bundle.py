@@ -1,0 +1,228 @@
+"""The bundle: a directory with `bundle.yaml` plus weight/engine/tokenizer files — the contract between
+`export` (workstation) and `runtime` (robot).
+
+One bundle carries the same target for several backends (`target.backends.<kind>.files`) and any
+number of drafters. Every file is listed with its sha256 and size; `load` checks the format version
+and every checksum and raises BundleError naming the file and what to do. Only data formats are
+allowed (safetensors, ONNX, GGUF, engines, JSON/YAML): nothing is ever unpickled."""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
+
+import yaml
+
+from runtime.errors import BundleError
+from runtime.model_spec import ModelSpec
+
+FORMAT_VERSION = 1
+MANIFEST = "bundle.yaml"
+DATA_SUFFIXES = (".safetensors", ".onnx", ".onnx.data", ".gguf", ".engine", ".plan", ".json", ".yaml", ".txt")
+DRAFTER_KINDS = ("ngram", "draft_model", "mtp", "medusa", "eagle", "eagle3", "dflash", "dflash2")
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str  # relative to the bundle root
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class BackendFiles:
+    files: Tuple[str, ...]
+    params: Dict[str, Any] = field(default_factory=dict)  # e.g. precision, graph input names
+
+
+@dataclass(frozen=True)
+class TargetEntry:
+    spec: ModelSpec
+    backends: Dict[str, BackendFiles]
+
+
+@dataclass(frozen=True)
+class DrafterEntry:
+    kind: str
+    files: Tuple[str, ...] = ()
+    params: Dict[str, Any] = field(default_factory=dict)
+    target_taps: Tuple[str, ...] = ()  # hidden taps of the target this drafter reads
+    spec: Optional[ModelSpec] = None  # for drafters that are models of their own
+    backends: Dict[str, BackendFiles] = field(default_factory=dict)  # backend-specific graphs (e.g. onnx)
+
+
+@dataclass(frozen=True)
+class Bundle:
+    root: str
+    name: str
+    target: TargetEntry
+    drafters: Dict[str, DrafterEntry]
+    default_drafter: str
+    tokenizer: str  # relative path of tokenizer.json
+    generation: Dict[str, Any]
+    files: Dict[str, FileEntry]
+    format_version: int = FORMAT_VERSION
+
+    def path(self, rel: str) -> str:
+        return os.path.join(self.root, rel)
+
+    def drafter(self, name: str) -> DrafterEntry:
+        if name not in self.drafters:
+            raise BundleError(f"{self.root}: no drafter {name!r} in this bundle; it has {sorted(self.drafters)} "
+                              "(or 'none' for plain decoding)")
+        return self.drafters[name]
+
+    def target_files(self, backend: str) -> BackendFiles:
+        if backend not in self.target.backends:
+            raise BundleError(f"{self.root}: the target has no files for backend {backend!r}; it has "
+                              f"{sorted(self.target.backends)}. Export it with `edgespec export --to {backend}`.")
+        return self.target.backends[backend]
+
+
+def sha256_of(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _backends(d: Dict[str, Any]) -> Dict[str, BackendFiles]:
+    return {k: BackendFiles(files=tuple(v.get("files", ())), params=dict(v.get("params", {}))) for k, v in (d or {}).items()}
+
+
+def load(path: str, verify_checksums: bool = True) -> Bundle:
+    """Read and check a bundle directory. Raises BundleError naming what is wrong and what to do."""
+    manifest = os.path.join(path, MANIFEST)
+    if not os.path.isdir(path):
+        raise BundleError(f"{path}: no such bundle directory; build one with `make bundles` or `edgespec export`")
+    if not os.path.isfile(manifest):
+        raise BundleError(f"{manifest}: missing; this directory is not a bundle (re-run `edgespec export`)")
+    try:
+        with open(manifest) as f:
+            m = yaml.safe_load(f)
+    except yaml.YAMLError as exc:
+        raise BundleError(f"{manifest}: not valid YAML ({exc}); re-run `edgespec export`") from exc
+    if not isinstance(m, dict):
+        raise BundleError(f"{manifest}: expected a mapping at the top level")
+    version = m.get("format_version")
+    if version != FORMAT_VERSION:
+        raise BundleError(f"{manifest}: format_version {version!r} is not supported by this runtime "
+                          f"(expected {FORMAT_VERSION}); re-export the bundle with a matching edgespec")
+    try:
+        files = {p: FileEntry(p, e["sha256"], int(e["size"])) for p, e in (m.get("files") or {}).items()}
+        t = m["target"]
+        target = TargetEntry(spec=ModelSpec.from_dict(t["spec"]), backends=_backends(t.get("backends")))
+        drafters = {}
+        for name, d in (m.get("drafters") or {}).items():
+            if d.get("kind") not in DRAFTER_KINDS:
+                raise BundleError(f"{manifest}: drafters.{name}.kind {d.get('kind')!r} unknown; expected one of {DRAFTER_KINDS}")
+            drafters[name] = DrafterEntry(
+                kind=d["kind"], files=tuple(d.get("files", ())), params=dict(d.get("params") or {}),
+                target_taps=tuple(d.get("target_taps", ())),
+                spec=ModelSpec.from_dict(d["spec"]) if d.get("spec") else None,
+                backends=_backends(d.get("backends")))
+        bundle = Bundle(root=path, name=str(m.get("name", os.path.basename(path))), target=target, drafters=drafters,
+                        default_drafter=str(m.get("default_drafter", "none")), tokenizer=str(m["tokenizer"]),
+                        generation=dict(m.get("generation") or {}), files=files, format_version=version)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BundleError(f"{manifest}: malformed manifest ({exc!r}); re-run `edgespec export`") from exc
+    _check_files(bundle, verify_checksums)
+    return bundle
+
+
+def _referenced(bundle: Bundle):
+    refs = [bundle.tokenizer]
+    for b in bundle.target.backends.values():
+        refs += b.files
+    for d in bundle.drafters.values():
+        refs += d.files
+        for b in d.backends.values():
+            refs += b.files
+    return refs
+
+
+def _check_files(bundle: Bundle, verify_checksums: bool) -> None:
+    for rel in _referenced(bundle):
+        if rel not in bundle.files:
+            raise BundleError(f"{bundle.root}: {rel} is used but has no checksum in {MANIFEST}; re-run `edgespec export`")
+    for rel, entry in bundle.files.items():
+        full = bundle.path(rel)
+        if not rel.endswith(DATA_SUFFIXES):
+            raise BundleError(f"{full}: not a data format edgespec loads (allowed: {', '.join(DATA_SUFFIXES)})")
+        if not os.path.isfile(full):
+            raise BundleError(f"{full}: missing from the bundle; copy the whole bundle directory again or re-export")
+        size = os.path.getsize(full)
+        if size != entry.size:
+            raise BundleError(f"{full}: corrupt (size {size} bytes, manifest says {entry.size}); copy it again or re-export")
+        if verify_checksums and sha256_of(full) != entry.sha256:
+            raise BundleError(f"{full}: corrupt (sha256 differs from the manifest); copy it again or re-export")
+
+
+class BundleWriter:
+    """Builds a bundle directory: add files, describe target/drafters, then `write()` the manifest."""
+
+    def __init__(self, root: str, name: str):
+        self.root = root
+        self.name = name
+        os.makedirs(root, exist_ok=True)
+        self.manifest: Dict[str, Any] = {"format_version": FORMAT_VERSION, "name": name, "target": {"backends": {}},
+                                         "drafters": {}, "default_drafter": "none", "generation": {}}
+
+    @classmethod
+    def extend(cls, root: str) -> "BundleWriter":
+        """Open an existing bundle to add files (e.g. ONNX graphs for another backend)."""
+        load(root, verify_checksums=False)
+        writer = cls.__new__(cls)
+        writer.root = root
+        with open(os.path.join(root, MANIFEST)) as f:
+            writer.manifest = yaml.safe_load(f)
+        writer.name = writer.manifest.get("name", os.path.basename(root))
+        return writer
+
+    def path(self, rel: str) -> str:
+        full = os.path.join(self.root, rel)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        return full
+
+    def set_target(self, spec: ModelSpec) -> None:
+        self.manifest["target"]["spec"] = spec.to_dict()
+
+    def add_target_backend(self, kind: str, files, params: Optional[Dict[str, Any]] = None) -> None:
+        self.manifest["target"]["backends"][kind] = {"files": list(files), "params": dict(params or {})}
+
+    def add_drafter(self, name: str, kind: str, files=(), params=None, target_taps=(), spec: Optional[ModelSpec] = None,
+                    default: bool = False) -> None:
+        entry: Dict[str, Any] = {"kind": kind, "files": list(files), "params": dict(params or {}),
+                                 "target_taps": list(target_taps)}
+        if spec is not None:
+            entry["spec"] = spec.to_dict()
+        self.manifest["drafters"][name] = entry
+        if default:
+            self.manifest["default_drafter"] = name
+
+    def add_drafter_backend(self, name: str, kind: str, files, params=None) -> None:
+        self.manifest["drafters"][name].setdefault("backends", {})[kind] = {"files": list(files), "params": dict(params or {})}
+
+    def set_tokenizer(self, rel: str) -> None:
+        self.manifest["tokenizer"] = rel
+
+    def set_generation(self, **defaults: Any) -> None:
+        self.manifest["generation"].update(defaults)
+
+    def write(self) -> str:
+        """Checksum every file under the root and write bundle.yaml. Returns the manifest path."""
+        files = {}
+        for dirpath, _, names in os.walk(self.root):
+            for n in sorted(names):
+                full = os.path.join(dirpath, n)
+                rel = os.path.relpath(full, self.root).replace(os.sep, "/")
+                if rel == MANIFEST:
+                    continue
+                files[rel] = {"sha256": sha256_of(full), "size": os.path.getsize(full)}
+        self.manifest["files"] = dict(sorted(files.items()))
+        out = os.path.join(self.root, MANIFEST)
+        with open(out, "w") as f:
+            yaml.safe_dump(self.manifest, f, sort_keys=False)
+        return out

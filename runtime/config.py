@@ -1,0 +1,175 @@
+"""Typed configuration: YAML in, frozen dataclasses out, validated once at load.
+
+Every field may carry limits in its metadata (`min`, `max`, `choices`); a bad value raises a
+ConfigError naming the file, the key path, the value and what was expected."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple, Type, TypeVar
+
+import yaml
+
+from runtime.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def limits(default: Any = dataclasses.MISSING, *, min=None, max=None, choices=None, doc: str = ""):
+    """A dataclass field with validation limits (min/max inclusive, or a set of choices)."""
+    meta = {"min": min, "max": max, "choices": choices, "doc": doc}
+    if isinstance(default, (list, dict, tuple)) and not isinstance(default, tuple):
+        return field(default_factory=lambda: default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    budget_mb: float = limits(0.0, min=0.0, doc="KV budget shared by target and drafter; 0 = size it from max_context")
+    max_context: int = limits(2048, min=16, max=1 << 20, doc="positions the KV cache holds per model")
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    kind: str = limits("numpy_ref", choices=("numpy_ref", "onnx", "gguf", "tensorrt"))
+    threads: int = limits(0, min=0, max=256, doc="0 = one per CPU core")
+    providers: Tuple[str, ...] = ("CPUExecutionProvider",)
+    precision: str = limits("fp32", choices=("fp32", "fp16"))
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    kind: str = limits("auto", doc="auto = the bundle's default; none = plain decoding; or a drafter in the bundle")
+    num_tokens: int = limits(4, min=1, max=64, doc="draft depth (tokens proposed per cycle along one branch)")
+    branching: int = limits(1, min=1, max=16, doc="children per tree node (1 = a chain)")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_tokens: int = limits(128, min=1, max=1 << 20)
+    temperature: float = limits(0.0, min=0.0, max=100.0)
+    top_k: int = limits(0, min=0)
+    top_p: float = limits(1.0, min=1e-9, max=1.0)
+    min_p: float = limits(0.0, min=0.0, max=0.999999)
+    repetition_penalty: float = limits(1.0, min=1e-6, max=100.0)
+    seed: int = limits(0, min=0)
+    stop: Tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    bundle: str = limits("build/bundles/zoo", doc="bundle directory")
+    backend: BackendConfig = BackendConfig()
+    drafter: DrafterConfig = DrafterConfig()
+    memory: MemoryConfig = MemoryConfig()
+    generation: GenerationConfig = GenerationConfig()
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    memory_gb: float = limits(8.0, min=0.1)
+    bandwidth_gbs: float = limits(68.0, min=0.1)
+    reserved_mb: float = limits(800.0, min=0.0, doc="memory the OS/desktop keeps (read MemAvailable on the device)")
+    notes: str = ""
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, where: str, source: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union:  # Optional[X]
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)][0]
+        return _convert(value, inner, where, source)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, source, where)
+    if origin in (tuple, Tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{source}: {where}: got {value!r}, expected a list")
+        elem = args[0] if args else Any
+        return tuple(_convert(v, elem, f"{where}[{i}]", source) for i, v in enumerate(value))
+    if origin in (dict, Dict):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {where}: got {value!r}, expected a mapping")
+        return {str(k): _convert(v, args[1], f"{where}.{k}", source) for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}: {where}: got {value!r}, expected true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{source}: {where}: got {value!r}, expected an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            raise ConfigError(f"{source}: {where}: got {value!r}, expected a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{source}: {where}: got {value!r}, expected a string")
+        return value
+    raise ConfigError(f"{source}: {where}: cannot check type {_type_name(tp)}")
+
+
+def from_dict(cls: Type[T], data: Any, source: str = "<config>", where: str = "") -> T:
+    """Build the frozen dataclass `cls` from a mapping, validating keys, types and limits."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: {where or '<top>'}: got {data!r}, expected a mapping")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        key = f"{where}.{unknown[0]}" if where else unknown[0]
+        raise ConfigError(f"{source}: {key}: unknown key; expected one of {sorted(fields)}")
+    values = {}
+    for name, f in fields.items():
+        key = f"{where}.{name}" if where else name
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{source}: {key}: missing required key")
+            continue
+        value = _convert(data[name], hints[name], key, source)
+        meta = f.metadata
+        if meta.get("choices") is not None and value not in meta["choices"]:
+            raise ConfigError(f"{source}: {key}: got {value!r}, expected one of {list(meta['choices'])}")
+        if meta.get("min") is not None and value < meta["min"]:
+            raise ConfigError(f"{source}: {key}: got {value!r}, expected >= {meta['min']}")
+        if meta.get("max") is not None and value > meta["max"]:
+            raise ConfigError(f"{source}: {key}: got {value!r}, expected <= {meta['max']}")
+        values[name] = value
+    return cls(**values)
+
+
+def load_yaml(path: str) -> Any:
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
+
+
+def load_config(path: str, cls: Type[T] = RuntimeConfig) -> T:  # type: ignore[assignment]
+    """Load a YAML file into `cls` (RuntimeConfig by default)."""
+    return from_dict(cls, load_yaml(path), source=path)
+
+
+def to_dict(obj: Any) -> Any:
+    """A config dataclass as plain YAML-able data (tuples become lists)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return [to_dict(v) for v in obj]
+    return obj

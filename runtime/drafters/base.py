@@ -1,0 +1,49 @@
+"""The one drafter interface. Every drafter (n-gram, draft model, MTP, Medusa, EAGLE, DFlash)
+implements it, so the engine never branches on the drafter's kind.
+
+A cycle, seen from the drafter:
+  1. `propose(ctx)` -> a DraftTree continuing after ctx.tokens[-1] (the root: the last emitted token,
+     which the target has not run yet).
+  2. The target verifies the tree; `accept(accepted_nodes, committed, taps)` tells the drafter which
+     tree nodes were accepted, the tokens now committed to the target's KV cache (root + accepted
+     tokens) and the target's hidden taps at those positions (rows aligned with `committed`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Sequence, Tuple
+
+import numpy as np
+
+from runtime.sampling import SamplingParams
+from runtime.tree import DraftTree
+
+
+@dataclass
+class DraftContext:
+    tokens: Sequence[int]  # prompt + emitted tokens; tokens[-1] is the root of the tree to propose
+    params: SamplingParams  # the request's sampling: drafters apply the SAME processing to q
+    rng: np.random.Generator  # the drafter's own stream (sampled drafts)
+    max_nodes: int  # at most this many nodes (what is left of the context budget)
+
+
+class Drafter:
+    kind: str = "base"
+    target_taps: Tuple[str, ...] = ()  # target hidden taps the drafter reads; the engine requests them
+
+    def begin(self, prompt: Sequence[int], taps: Dict[str, np.ndarray]) -> None:
+        """A new request: the target has just prefilled `prompt` (taps rows align with it)."""
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        raise NotImplementedError
+
+    def accept(self, accepted_nodes: Sequence[int], committed: Sequence[int], taps: Dict[str, np.ndarray]) -> None:
+        """The verify result of the last proposal (see the module docstring)."""
+
+    def reset(self) -> None:
+        """Forget the request (free the drafter's KV rows)."""
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes the drafter holds beyond the shared KV arena (weights)."""
+        return 0

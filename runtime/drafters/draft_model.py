@@ -1,0 +1,136 @@
+"""A separate small draft model (same tokenizer) proposing a chain of k tokens, or a tree of
+`branching` chains that split at the first position, with its own q.
+
+Its KV cache is a view into the same arena as the target's, so it counts against the one budget. The
+cache follows the committed tokens lazily: before drafting, the longest common prefix of what the
+cache holds and the context is kept and only the rest (usually the root plus a token or two) is run."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Dict, List, Sequence
+
+import numpy as np
+
+from runtime.backends.base import TargetBackend
+from runtime.drafters.base import DraftContext, Drafter
+from runtime.sampling import SamplingParams, process_logits, sample
+from runtime.tree import DraftTree, empty_tree
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def pick_children(logits: np.ndarray, q: np.ndarray, params: SamplingParams, history: Sequence[int],
+                  width: int, rng: np.random.Generator):
+    """Children of one node: greedy -> the top-`width` tokens (point masses); sampled -> `width`
+    i.i.d. draws from q with duplicates dropped. Dropping a duplicate is exact: once x is rejected,
+    the residual has p'(x) = 0, so a second x would be rejected with probability 1 anyway."""
+    if params.greedy:
+        if width == 1:
+            return [int(np.argmax(q))], True
+        # q is one-hot under greedy; rank by the masked, penalised distribution at temperature 1.
+        soft = process_logits(logits, replace(params, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0), history)
+        order = np.argsort(-soft, kind="stable")[:width]
+        return [int(t) for t in order if soft[t] > 0], True
+    picks: List[int] = []
+    for _ in range(width):
+        t = sample(q, rng)
+        if t not in picks:
+            picks.append(t)
+    return picks, False
+
+
+class DraftModelDrafter(Drafter):
+    kind = "draft_model"
+
+    def __init__(self, model: TargetBackend, num_tokens: int = 4, branching: int = 1):
+        self.model = model
+        self.k = num_tokens
+        self.branching = branching
+        self.cached: List[int] = []  # tokens whose K/V rows the draft cache holds, in order
+        self._base = 0  # cache rows holding the context when the last tree was proposed
+        self._node_rows: Dict[int, int] = {}  # tree node -> cache row (nodes that were run)
+        self._context: List[int] = []
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(getattr(self.model, "weight_bytes", 0))
+
+    def begin(self, prompt, taps) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.model.reset()
+        self.cached = []
+
+    def _run(self, tokens, positions, mask=None) -> np.ndarray:
+        return self.model.forward(np.asarray(tokens, np.int64), np.asarray(positions, np.int64), mask).logits
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        context = list(ctx.tokens)
+        keep = min(common_prefix_len(self.cached, context), len(context) - 1)
+        self.model.keep(keep, [])
+        room = self.model.max_cache_len - len(context)  # rows left for drafted nodes
+        depth = min(self.k, ctx.max_nodes // self.branching, 1 + room // self.branching)
+        logits = self._run(context[keep:], np.arange(keep, len(context)))[-1]
+        self.cached = context
+        self._base = len(context)
+        self._node_rows = {}
+        self._context = context
+        if depth <= 0:
+            return empty_tree()
+        params = ctx.params
+        q0 = process_logits(logits, params, context)
+        firsts, deterministic = pick_children(logits, q0, params, context, self.branching, ctx.rng)
+        tokens: List[int] = list(firsts)
+        parents: List[int] = [-1] * len(firsts)
+        qs: List[np.ndarray] = [q0] * len(firsts)
+        frontier = list(range(len(firsts)))  # node index of each chain's last token
+        for d in range(1, depth):
+            # Run the frontier (one node per chain) in one forward with a tree mask, then extend each chain.
+            start = self.model.cache_len
+            rows_mask = np.zeros((len(frontier), start + len(frontier)), bool)
+            for j, node in enumerate(frontier):
+                rows_mask[j, :self._base] = True
+                for anc in self._path(parents, node)[:-1]:
+                    rows_mask[j, self._node_rows[anc]] = True
+                rows_mask[j, start + j] = True
+            out = self._run([tokens[n] for n in frontier], [self._base + d - 1] * len(frontier), rows_mask)
+            for j, node in enumerate(frontier):
+                self._node_rows[node] = start + j
+            new_frontier = []
+            for j, node in enumerate(frontier):
+                history = context + [tokens[a] for a in self._path(parents, node)]
+                q = process_logits(out[j], params, history)
+                t = int(np.argmax(q)) if params.greedy else sample(q, ctx.rng)
+                new_frontier.append(len(tokens))
+                tokens.append(t)
+                parents.append(node)
+                qs.append(q)
+            frontier = new_frontier
+        tree = DraftTree(tokens=np.asarray(tokens, np.int64), parents=np.asarray(parents, np.int64),
+                         q=None if deterministic else np.stack(qs),
+                         deterministic=np.full(len(tokens), deterministic))
+        return tree
+
+    @staticmethod
+    def _path(parents: Sequence[int], node: int) -> List[int]:
+        path = []
+        while node != -1:
+            path.append(node)
+            node = parents[node]
+        return path[::-1]
+
+    def accept(self, accepted_nodes, committed, taps) -> None:
+        rows = []
+        for node in accepted_nodes:
+            if node not in self._node_rows:
+                break  # the deepest accepted token was never run; the next propose catches it up
+            rows.append(self._node_rows[node])
+        self.model.keep(self._base, rows)
+        self.cached = self._context + [int(t) for t in committed[1:1 + len(rows)]]

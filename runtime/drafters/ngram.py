@@ -1,0 +1,75 @@
+"""Prompt-lookup drafting: match the last n tokens somewhere earlier in the context and propose what
+followed there. Deterministic (point-mass nodes), costs no model; good on plans and code that repeat
+the prompt's words."""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import numpy as np
+
+from runtime.drafters.base import DraftContext, Drafter
+from runtime.tree import DraftTree, empty_tree
+
+
+def find_continuations(tokens: Sequence[int], max_n: int, min_n: int, k: int, branches: int) -> List[List[int]]:
+    """Up to `branches` distinct continuations of length <= k following the most recent matches of the
+    longest suffix n-gram (n from max_n down to min_n).
+
+    Example: tokens (5 6 7 | 9 5 6 7 | 8 ... 5 6), max_n 2: the suffix (5 6) last occurred before 7,
+    so the proposal is [7, 8, ...] (most recent match first)."""
+    seq = np.asarray(tokens)
+    L = len(seq)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        suffix = seq[L - n:]
+        # windows ending before the suffix itself; most recent first
+        windows = np.lib.stride_tricks.sliding_window_view(seq[:L - 1], n)
+        hits = np.nonzero((windows == suffix).all(axis=1))[0][::-1]
+        found: List[List[int]] = []
+        for start in hits:
+            cont = seq[start + n:start + n + k].tolist()
+            if cont and cont not in found and not any(f[:len(cont)] == cont for f in found):
+                found.append(cont)
+            if len(found) == branches:
+                break
+        if found:
+            return found
+    return []
+
+
+def tree_from_branches(branches: Sequence[Sequence[int]]) -> DraftTree:
+    """Merge token sequences into a prefix tree (shared prefixes become shared nodes)."""
+    tokens: List[int] = []
+    parents: List[int] = []
+    index = {}
+    for branch in branches:
+        parent = -1
+        for depth, tok in enumerate(branch):
+            key = (parent, int(tok))
+            if key not in index:
+                index[key] = len(tokens)
+                tokens.append(int(tok))
+                parents.append(parent)
+            parent = index[key]
+    if not tokens:
+        return empty_tree()
+    return DraftTree(tokens=np.asarray(tokens, np.int64), parents=np.asarray(parents, np.int64))
+
+
+class NgramDrafter(Drafter):
+    kind = "ngram"
+
+    def __init__(self, num_tokens: int = 4, max_n: int = 3, min_n: int = 1, branching: int = 1):
+        self.k = num_tokens
+        self.max_n = max_n
+        self.min_n = min_n
+        self.branching = branching
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        k = min(self.k, ctx.max_nodes)
+        if k <= 0:
+            return empty_tree()
+        branches = find_continuations(ctx.tokens, self.max_n, self.min_n, k, self.branching)
+        tree = tree_from_branches(branches)
+        if len(tree) > ctx.max_nodes:
+            tree = tree_from_branches(branches[:1])
+        return tree

@@ -1,0 +1,203 @@
+"""The batch-1 decode loop.
+
+    prefill -> [ drafter proposes a tree -> target verifies the flattened tree in ONE forward
+                 -> accept (exact rule) -> keep only the accepted path's KV rows, contiguous
+                 -> drafter is told what was accepted ] -> until EOS / stop / max tokens / deadline
+
+The last emitted token (the "root") has not been run by the target yet: each cycle runs it together
+with the draft tree, so a cycle with an empty tree is exactly one step of plain decoding."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from runtime.backends.base import TargetBackend
+from runtime.drafters.base import DraftContext, Drafter
+from runtime.errors import RequestError
+from runtime.sampling import SamplingParams, process_logits, process_logits_batch, sample
+from runtime.tree import DraftTree, flatten
+from runtime.verify import verify_greedy, verify_sampled
+
+FINISH_REASONS = ("eos", "stop", "max_tokens", "deadline", "cancelled")
+
+
+@dataclass
+class DecodeStats:
+    tokens: int = 0  # tokens emitted (EOS excluded)
+    target_forwards: int = 0  # prefill included
+    cycles: int = 0  # verify forwards after the prefill
+    tau: float = 0.0  # mean tokens emitted per verify forward (accepted + 1); 1.0 = plain decoding
+    acceptance_by_depth: List[float] = field(default_factory=list)  # P(accepted length >= d | drafted depth >= d)
+    tokens_per_s: float = 0.0
+    ttft_s: float = 0.0  # prefill + first token
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0  # target forwards of the cycles
+    other_s: float = 0.0  # verification maths, sampling, callbacks, bookkeeping
+    wall_s: float = 0.0
+    memory_bytes: int = 0
+    drafter: str = "none"
+    backend: str = ""
+
+    def to_dict(self) -> Dict[str, object]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class DecodeOutput:
+    tokens: List[int]
+    finish_reason: str
+    stats: DecodeStats
+
+
+class StopCheck:
+    """What may end a request besides EOS and max tokens: a deadline and a caller's check (cancel,
+    stop strings), polled once per cycle and after each emitted batch."""
+
+    def __init__(self, deadline: Optional[float] = None, should_stop: Optional[Callable[[], Optional[str]]] = None):
+        self.deadline = deadline  # time.monotonic() value
+        self.should_stop = should_stop
+
+    def reason(self) -> Optional[str]:
+        if self.should_stop is not None:
+            why = self.should_stop()
+            if why:
+                return why
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            return "deadline"
+        return None
+
+
+class Engine:
+    def __init__(self, target: TargetBackend, drafter: Optional[Drafter], eos_ids: Sequence[int] = ()):
+        self.target = target
+        self.drafter = drafter
+        self.eos = set(int(e) for e in eos_ids)
+
+    def check_request(self, prompt: Sequence[int], max_tokens: int, params: SamplingParams) -> None:
+        if len(prompt) == 0:
+            raise RequestError("prompt", "is empty; give at least one token of text")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
+            raise RequestError("max_tokens", f"must be an integer >= 1, got {max_tokens!r}")
+        room = self.target.max_cache_len
+        if len(prompt) + max_tokens > room:
+            raise RequestError("max_tokens", f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                                             f"context budget of {room} positions; shorten one or raise max_context")
+        params.validate(self.target.spec.vocab_size)
+
+    def generate(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, seed: int = 0,
+                 on_tokens: Optional[Callable[[List[int]], None]] = None,
+                 stop: Optional[StopCheck] = None) -> DecodeOutput:
+        """Decode up to `max_tokens` after `prompt`. `on_tokens` receives each batch of accepted tokens."""
+        prompt = [int(t) for t in prompt]
+        self.check_request(prompt, max_tokens, params)
+        stop = stop or StopCheck()
+        rng = np.random.default_rng([seed, 0])  # the target's own sampling / verification stream
+        draft_rng = np.random.default_rng([seed, 1])
+        stats = DecodeStats(drafter=self.drafter.kind if self.drafter else "none", backend=self.target.name)
+        depth_tried: List[int] = []
+        depth_hit: List[int] = []
+        t0 = time.perf_counter()
+
+        first, taps = self._prefill(prompt, params, rng)
+        stats.prefill_s = stats.ttft_s = time.perf_counter() - t0
+        stats.target_forwards = 1
+        context = prompt + [first]
+        out: List[int] = []
+        finish = self._emit([first], out, max_tokens, on_tokens)
+        if self.drafter is not None:
+            td = time.perf_counter()
+            self.drafter.begin(prompt, taps)
+            stats.draft_s += time.perf_counter() - td
+
+        while finish is None:
+            finish = stop.reason()
+            if finish:
+                break
+            cycle = self._cycle(context, params, rng, draft_rng, max_tokens - len(out), stats)
+            stats.cycles += 1
+            stats.target_forwards += 1
+            tree_depth, accepted = cycle["drafted_depth"], cycle["accepted"]
+            for d in range(1, tree_depth + 1):
+                while len(depth_tried) < d:
+                    depth_tried.append(0)
+                    depth_hit.append(0)
+                depth_tried[d - 1] += 1
+                depth_hit[d - 1] += int(accepted >= d)
+            context.extend(cycle["emitted"])
+            finish = self._emit(cycle["emitted"], out, max_tokens, on_tokens)
+            if finish is None:
+                finish = stop.reason()
+
+        stats.wall_s = time.perf_counter() - t0
+        stats.tokens = len(out)
+        stats.tau = (len(out) - 1) / stats.cycles if stats.cycles else 0.0
+        stats.acceptance_by_depth = [h / n for h, n in zip(depth_hit, depth_tried)]
+        stats.tokens_per_s = len(out) / stats.wall_s if stats.wall_s > 0 else 0.0
+        stats.other_s = max(0.0, stats.wall_s - stats.prefill_s - stats.draft_s - stats.verify_s)
+        return DecodeOutput(tokens=out, finish_reason=finish, stats=stats)
+
+    def _prefill(self, prompt: List[int], params: SamplingParams, rng: np.random.Generator):
+        self.target.reset()
+        taps = self.drafter.target_taps if self.drafter else ()
+        res = self.target.forward(np.asarray(prompt, np.int64), np.arange(len(prompt)), None, taps)
+        p = process_logits(res.logits[-1], params, prompt)
+        first = int(np.argmax(p)) if params.greedy else sample(p, rng)
+        return first, res.taps
+
+    def _cycle(self, context: List[int], params: SamplingParams, rng, draft_rng, remaining: int, stats: DecodeStats):
+        """One draft -> verify -> accept cycle. Returns the emitted tokens and what was drafted/accepted."""
+        target = self.target
+        base = target.cache_len  # rows before the root
+        tree = DraftTree(tokens=np.zeros(0, np.int64), parents=np.zeros(0, np.int64))
+        if self.drafter is not None and remaining > 1:
+            td = time.perf_counter()
+            max_nodes = min(target.max_cache_len - base - 1, remaining - 1)
+            tree = self.drafter.propose(DraftContext(context, params, draft_rng, max_nodes))
+            stats.draft_s += time.perf_counter() - td
+        tokens, positions, mask = flatten(tree, context[-1], base, base)
+        tv = time.perf_counter()
+        taps_wanted = self.drafter.target_taps if self.drafter else ()
+        res = target.forward(tokens, positions, mask, taps_wanted)
+        stats.verify_s += time.perf_counter() - tv
+        histories = self._histories(context, tree) if params.repetition_penalty != 1.0 else ()
+        p = process_logits_batch(res.logits, params, histories)
+        result = verify_greedy(tree, p) if params.greedy else verify_sampled(tree, p, rng)
+        rows = [base] + [base + 1 + i for i in result.accepted]
+        target.keep(base, rows)
+        committed = [context[-1]] + [int(tree.tokens[i]) for i in result.accepted]
+        if self.drafter is not None:
+            td = time.perf_counter()
+            sel = [r - base for r in rows]
+            self.drafter.accept(result.accepted, committed, {k: v[sel] for k, v in res.taps.items()})
+            stats.draft_s += time.perf_counter() - td
+        depth = int(tree.depths().max()) if len(tree) else 0
+        return {"emitted": committed[1:] + [result.next_token], "accepted": len(result.accepted), "drafted_depth": depth}
+
+    @staticmethod
+    def _histories(context: List[int], tree: DraftTree) -> List[List[int]]:
+        """Token history of each verify row (root, then each node): what the repetition penalty sees."""
+        rows = [list(context)]
+        for i in range(len(tree)):
+            rows.append(list(context) + [int(tree.tokens[a]) for a in tree.path(i)])
+        return rows
+
+    def _emit(self, tokens: List[int], out: List[int], max_tokens: int, on_tokens) -> Optional[str]:
+        """Append accepted tokens up to EOS / max_tokens, stream them, and say whether to finish."""
+        batch: List[int] = []
+        finish = None
+        for t in tokens:
+            if t in self.eos:
+                finish = "eos"
+                break
+            batch.append(t)
+            if len(out) + len(batch) >= max_tokens:
+                finish = "max_tokens"
+                break
+        out.extend(batch)
+        if batch and on_tokens is not None:
+            on_tokens(batch)
+        return finish

@@ -1,0 +1,32 @@
+"""The exceptions edgespec raises. Each message names what was wrong and what to do about it,
+so that a robot operator can act on it without reading the code."""
+
+
+class EdgespecError(Exception):
+    """Base of every error edgespec raises on purpose."""
+
+
+class ConfigError(EdgespecError):
+    """A YAML config (or parameter set) has an unknown key, a wrong type or an out-of-range value."""
+
+
+class BundleError(EdgespecError):
+    """A bundle directory is missing a file, has a corrupt file or an unsupported format version."""
+
+
+class RequestError(EdgespecError):
+    """A generation request is invalid (empty prompt, bad temperature, too many tokens, ...).
+
+    `field` names the request field at fault so that callers (CLI, ROS node) can report it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class BudgetExceeded(EdgespecError):
+    """The memory budget cannot hold what was asked (weights, KV cache, a request's context)."""
+
+
+class BackendError(EdgespecError):
+    """A backend failed (missing provider, runtime failure mid-generation)."""
