@@ -72,10 +72,13 @@ class StopCheck:
 
 
 class Engine:
-    def __init__(self, target: TargetBackend, drafter: Optional[Drafter], eos_ids: Sequence[int] = ()):
+    def __init__(self, target: TargetBackend, drafter: Optional[Drafter], eos_ids: Sequence[int] = (),
+                 sampled_verifier: Callable = verify_sampled):
         self.target = target
         self.drafter = drafter
         self.eos = set(int(e) for e in eos_ids)
+        # Replaceable only so that `certify` can prove it catches a wrong rule; always verify_sampled in use.
+        self.sampled_verifier = sampled_verifier
 
     def check_request(self, prompt: Sequence[int], max_tokens: int, params: SamplingParams) -> None:
         if len(prompt) == 0:
@@ -90,8 +93,9 @@ class Engine:
 
     def generate(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, seed: int = 0,
                  on_tokens: Optional[Callable[[List[int]], None]] = None,
-                 stop: Optional[StopCheck] = None) -> DecodeOutput:
-        """Decode up to `max_tokens` after `prompt`. `on_tokens` receives each batch of accepted tokens."""
+                 stop: Optional[StopCheck] = None, first_token: Optional[int] = None) -> DecodeOutput:
+        """Decode up to `max_tokens` after `prompt`. `on_tokens` receives each batch of accepted tokens.
+        `first_token`, if given, is emitted instead of sampling the first token (certify fixes the root)."""
         prompt = [int(t) for t in prompt]
         self.check_request(prompt, max_tokens, params)
         stop = stop or StopCheck()
@@ -103,6 +107,8 @@ class Engine:
         t0 = time.perf_counter()
 
         first, taps = self._prefill(prompt, params, rng)
+        if first_token is not None:
+            first = int(first_token)
         stats.prefill_s = stats.ttft_s = time.perf_counter() - t0
         stats.target_forwards = 1
         context = prompt + [first]
@@ -165,7 +171,7 @@ class Engine:
         stats.verify_s += time.perf_counter() - tv
         histories = self._histories(context, tree) if params.repetition_penalty != 1.0 else ()
         p = process_logits_batch(res.logits, params, histories)
-        result = verify_greedy(tree, p) if params.greedy else verify_sampled(tree, p, rng)
+        result = verify_greedy(tree, p) if params.greedy else self.sampled_verifier(tree, p, rng)
         rows = [base] + [base + 1 + i for i in result.accepted]
         target.keep(base, rows)
         committed = [context[-1]] + [int(tree.tokens[i]) for i in result.accepted]

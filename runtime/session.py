@@ -197,7 +197,10 @@ class Session:
         out = self.engine.generate(prompt_ids, params.sampling(allowed_tokens), params.max_tokens, params.seed,
                                    on_tokens, StopCheck(deadline, why_stop))
         out.stats.memory_bytes = self.memory_in_use()
-        text = self.tokenizer.decode(out.tokens, skip_special_tokens=True)
+        tail = decoder.flush()
+        if on_delta is not None and tail:
+            on_delta(tail, state["n"])
+        text = decoder.text
         if out.finish_reason == "stop":
             cut = min((text.find(s) for s in params.stop if s in text), default=-1)
             text = text[:cut] if cut >= 0 else text

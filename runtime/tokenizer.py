@@ -50,3 +50,10 @@ class StreamDecoder:
         delta = full[len(self.text):] if full.startswith(self.text) else full
         self.text = full
         return delta
+
+    def flush(self) -> str:
+        """The rest of the text at the end of a request, partial characters included."""
+        full = self.tok.decode(self.ids, skip_special_tokens=self.skip)
+        delta = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text = full
+        return delta

@@ -1,0 +1,107 @@
+"""`edgespec bench`: plain decoding and each drafter measured side by side in one run, on the same
+backend and prompts: speedup, tau, time per cycle split into draft / verify / other, memory, and
+whether greedy output stayed token-identical to plain decoding."""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from typing import Dict, List
+
+from runtime.commands.common import add_model_args, runtime_config
+from runtime.prompts import action_prompt, planner_prompt, text_prompt
+from runtime.session import GenerationParams, Session
+
+HELP = """Benchmark plain decoding against speculative drafters on the same backend, in one run.
+
+example:
+  edgespec bench --drafters none,ngram,draft_model --max-tokens 64
+"""
+
+BENCH_PROMPTS = {
+    "planner": [planner_prompt(s) for s in (
+        "bring the red cup from the kitchen to the living room table",
+        "open the fridge in the kitchen and inspect the milk bottle",
+        "pick up two green apples from the pantry and hand them to alice",
+        "go to the bedroom, pick up the blue book and place it on the shelf",
+    )],
+    "action": [action_prompt(s, o) for s, o in (
+        ("pick up the red block", [0.30, -0.10, 0.20, 0.00, 1.00, 0.45, 0.05, 0.02]),
+        ("push the green cube left", [0.25, 0.10, 0.15, 0.50, 0.80, 0.20, 0.15, 0.05]),
+    )],
+    "text": [text_prompt(s) for s in ("To be, or not to be", "Now is the winter of our discontent")],
+}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="speedup of each drafter over plain decoding, measured side by side",
+                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--drafters", default="none,ngram,draft_model", help="comma-separated; 'none' is the baseline")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--domains", default="planner,action,text", help="prompt sets to run")
+    p.add_argument("--repeats", type=int, default=1, help="runs per prompt (the best wall time is kept)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run_drafter(args, drafter: str, prompts: List[str]) -> Dict[str, object]:
+    cfg = runtime_config(args)
+    session = Session(replace(cfg, drafter=replace(cfg.drafter, kind=drafter)))
+    params = GenerationParams(max_tokens=args.max_tokens)
+    agg = dict(tokens=0, wall=0.0, cycles=0, forwards=0, draft=0.0, verify=0.0, other=0.0, prefill=0.0)
+    outputs = []
+    session.generate(prompts[0], replace(params, max_tokens=4))  # warm-up (caches, allocations)
+    for prompt in prompts:
+        best = None
+        for _ in range(max(1, args.repeats)):
+            res = session.generate(prompt, params)
+            if best is None or res.stats.wall_s < best.stats.wall_s:
+                best = res
+        s = best.stats
+        outputs.append(best.token_ids)
+        agg["tokens"] += s.tokens
+        agg["wall"] += s.wall_s
+        agg["cycles"] += s.cycles
+        agg["forwards"] += s.target_forwards
+        agg["draft"] += s.draft_s
+        agg["verify"] += s.verify_s
+        agg["other"] += s.other_s
+        agg["prefill"] += s.prefill_s
+    agg["memory_mib"] = session.memory_in_use() / 2**20
+    agg["outputs"] = outputs
+    agg["backend"] = session.backend_name
+    return agg
+
+
+def run(args) -> int:
+    names = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    if "none" not in names:
+        names.insert(0, "none")
+    prompts = [p for d in args.domains.split(",") for p in BENCH_PROMPTS[d.strip()]]
+    rows = {name: run_drafter(args, name, prompts) for name in names}
+    base = rows["none"]
+    base_tps = base["tokens"] / base["wall"]
+    table = []
+    for name, r in rows.items():
+        decode_wall = r["wall"] - r["prefill"]
+        cyc = max(r["cycles"], 1)
+        table.append({
+            "drafter": name, "backend": r["backend"], "tokens": r["tokens"], "tokens_per_s": r["tokens"] / r["wall"],
+            "speedup": (r["tokens"] / r["wall"]) / base_tps,
+            "tau": (r["tokens"] - len(prompts)) / cyc,
+            "ms_per_cycle": 1e3 * decode_wall / cyc, "draft_ms": 1e3 * r["draft"] / cyc,
+            "verify_ms": 1e3 * r["verify"] / cyc, "other_ms": 1e3 * r["other"] / cyc,
+            "memory_mib": r["memory_mib"], "identical_to_plain": r["outputs"] == base["outputs"],
+        })
+    if args.json:
+        print(json.dumps(table))
+        return 0
+    print(f"bench: {len(prompts)} prompts ({args.domains}), greedy, max_tokens={args.max_tokens}, backend={base['backend']}")
+    print(f"{'drafter':12s} {'tok/s':>7s} {'speedup':>8s} {'tau':>5s} {'ms/cycle':>9s} {'draft':>7s} {'verify':>7s} "
+          f"{'other':>7s} {'MiB':>6s}  identical")
+    for t in table:
+        print(f"{t['drafter']:12s} {t['tokens_per_s']:7.1f} {t['speedup']:7.2f}x {t['tau']:5.2f} {t['ms_per_cycle']:9.2f} "
+              f"{t['draft_ms']:7.2f} {t['verify_ms']:7.2f} {t['other_ms']:7.2f} {t['memory_mib']:6.1f}  "
+              f"{'yes' if t['identical_to_plain'] else 'NO'}")
+    return 0 if all(t["identical_to_plain"] for t in table) else 1

@@ -1,0 +1,40 @@
+"""`certify` on a real bundle and backend: speculative sampling passes the chi-square test against the
+exact target distribution, and a deliberately wrong acceptance rule fails it (the test has power).
+
+alpha = 0.001; DRAWS draws per context; fixed seeds."""
+import pytest
+
+from runtime.certify import certify
+from runtime.sampling import SamplingParams, sample
+from runtime.session import Session
+from runtime.verify import VerifyResult
+
+ALPHA = 1e-3
+DRAWS = 3000
+CONTEXT = ["<|bos|><|plan|>pick up the red cup<|sep|>"]
+
+
+def always_accept(tree, p, rng):
+    """A WRONG rule: accept the first child at every depth, whatever the target says."""
+    node, accepted = -1, []
+    while tree.children(node):
+        node = tree.children(node)[0]
+        accepted.append(node)
+    return VerifyResult(accepted, sample(p[node + 1], rng))
+
+
+@pytest.mark.parametrize("drafter,params", [
+    ("draft_model", SamplingParams(temperature=1.0)),
+    ("draft_model", SamplingParams(temperature=0.7, top_p=0.9)),
+    ("ngram", SamplingParams(temperature=1.0)),
+])
+def test_speculative_sampling_passes_certify_on_a_real_bundle(tiny_bundle, drafter, params):
+    session = Session.open(tiny_bundle, drafter=drafter, max_context=128)
+    (res,) = certify(session, CONTEXT, params, draws=DRAWS, alpha=ALPHA, seed=5)
+    assert res.passed, res
+
+
+def test_certify_rejects_a_wrong_acceptance_rule(tiny_bundle):
+    session = Session.open(tiny_bundle, drafter="draft_model", max_context=128)
+    (res,) = certify(session, CONTEXT, SamplingParams(temperature=1.0), draws=1500, alpha=ALPHA, verifier=always_accept)
+    assert not res.passed and res.first_p_value < ALPHA
