@@ -107,7 +107,7 @@ def load(path: str, verify_checksums: bool = True) -> Bundle:
     if not isinstance(m, dict):
         raise BundleError(f"{manifest}: expected a mapping at the top level")
     version = m.get("format_version")
-    if version != FORMAT_VERSION:
+    if type(version) is not int or version != FORMAT_VERSION:
         raise BundleError(f"{manifest}: format_version {version!r} is not supported by this runtime "
                           f"(expected {FORMAT_VERSION}); re-export the bundle with a matching edgespec")
     try:
@@ -126,7 +126,7 @@ def load(path: str, verify_checksums: bool = True) -> Bundle:
         bundle = Bundle(root=path, name=str(m.get("name", os.path.basename(path))), target=target, drafters=drafters,
                         default_drafter=str(m.get("default_drafter", "none")), tokenizer=str(m["tokenizer"]),
                         generation=dict(m.get("generation") or {}), files=files, format_version=version)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise BundleError(f"{manifest}: malformed manifest ({exc!r}); re-run `edgespec export`") from exc
     _check_files(bundle, verify_checksums)
     return bundle
@@ -147,8 +147,11 @@ def _check_files(bundle: Bundle, verify_checksums: bool) -> None:
     for rel in _referenced(bundle):
         if rel not in bundle.files:
             raise BundleError(f"{bundle.root}: {rel} is used but has no checksum in {MANIFEST}; re-run `edgespec export`")
+    root = os.path.realpath(bundle.root)
     for rel, entry in bundle.files.items():
         full = bundle.path(rel)
+        if os.path.isabs(rel) or not os.path.realpath(full).startswith(root + os.sep):
+            raise BundleError(f"{bundle.root}: manifest names {rel!r}, which lies outside the bundle; refusing it")
         if not rel.endswith(DATA_SUFFIXES):
             raise BundleError(f"{full}: not a data format edgespec loads (allowed: {', '.join(DATA_SUFFIXES)})")
         if not os.path.isfile(full):
@@ -173,7 +176,7 @@ class BundleWriter:
     @classmethod
     def extend(cls, root: str) -> "BundleWriter":
         """Open an existing bundle to add files (e.g. ONNX graphs for another backend)."""
-        load(root, verify_checksums=False)
+        load(root)  # never re-checksum a file that is already corrupt
         writer = cls.__new__(cls)
         writer.root = root
         with open(os.path.join(root, MANIFEST)) as f:
@@ -218,8 +221,8 @@ class BundleWriter:
             for n in sorted(names):
                 full = os.path.join(dirpath, n)
                 rel = os.path.relpath(full, self.root).replace(os.sep, "/")
-                if rel == MANIFEST:
-                    continue
+                if rel == MANIFEST or not rel.endswith(DATA_SUFFIXES):
+                    continue  # only data formats belong to a bundle; stray files stay unlisted
                 files[rel] = {"sha256": sha256_of(full), "size": os.path.getsize(full)}
         self.manifest["files"] = dict(sorted(files.items()))
         out = os.path.join(self.root, MANIFEST)

@@ -110,8 +110,8 @@ def _convert(value: Any, tp: Any, where: str, source: str) -> Any:
             raise ConfigError(f"{source}: {where}: got {value!r}, expected an integer")
         return value
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-            raise ConfigError(f"{source}: {where}: got {value!r}, expected a number")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{source}: {where}: got {value!r}, expected a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -159,6 +159,8 @@ def load_yaml(path: str) -> Any:
         raise ConfigError(f"{path}: cannot read ({exc.strerror})") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a UTF-8 text file") from exc
 
 
 def load_config(path: str, cls: Type[T] = RuntimeConfig) -> T:  # type: ignore[assignment]

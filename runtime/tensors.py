@@ -30,6 +30,9 @@ def read_safetensors(path: str) -> Dict[str, np.ndarray]:
     except (OSError, struct.error, ValueError) as exc:
         raise BundleError(f"{path}: cannot read safetensors ({exc}); re-export the file") from exc
     raw = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+    ends = [info["data_offsets"][1] for name, info in header.items() if name != "__metadata__"]
+    if ends and max(ends) > raw.shape[0]:
+        raise BundleError(f"{path}: truncated ({raw.shape[0]} data bytes, header needs {max(ends)}); copy it again")
     out: Dict[str, np.ndarray] = {}
     for name, info in header.items():
         if name == "__metadata__":
