@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 
 # Each module has `register(subparsers)`.
-EXPORT_COMMANDS = []
+EXPORT_COMMANDS = ["export.bundle_cli", "export.onnx_cli", "export.zoo.cli"]
 
 
 def register(sub) -> None:

@@ -13,11 +13,12 @@ import numpy as np
 
 from runtime import bundle as bundle_io
 from runtime.actions import ActionTokenizer
-from runtime.backends.factory import open_model
+from runtime.backends.factory import load_weights, open_model
 from runtime.bundle import BackendFiles
 from runtime.config import BackendConfig, RuntimeConfig
 from runtime.drafters.base import Drafter
 from runtime.drafters.draft_model import DraftModelDrafter
+from runtime.drafters.mtp import MTPDrafter, mtp_cache_shape
 from runtime.drafters.ngram import NgramDrafter
 from runtime.engine import DecodeStats, Engine, StopCheck
 from runtime.errors import BundleError, RequestError
@@ -82,7 +83,7 @@ class ActionResult:
 
 
 def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max_positions: int,
-                  num_tokens: int, branching: int) -> Optional[Drafter]:
+                  num_tokens: int, branching: int, target_weights=None) -> Optional[Drafter]:
     if name == "none":
         return None
     if name == "ngram":
@@ -99,6 +100,15 @@ def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max
                                max_positions)
         model = open_model(bundle, entry.spec, files, backend, cache, label=f"drafter {name}")
         return DraftModelDrafter(model, num_tokens=num_tokens, branching=branching)
+    if entry.kind == "mtp":
+        weights = load_weights(bundle, entry.files)
+        target_w = target_weights if target_weights is not None else load_weights(bundle, bundle.target_files("numpy_ref").files)
+        spec = bundle.target.spec
+        embed = np.ascontiguousarray(target_w["model.embed_tokens.weight"], np.float32)
+        head = embed if spec.tie_word_embeddings else np.ascontiguousarray(target_w["lm_head.weight"], np.float32)
+        cache = arena.allocate("mtp", mtp_cache_shape(spec), max_positions + num_tokens)
+        return MTPDrafter(spec, weights, embed, head, cache, num_tokens=num_tokens,
+                          layer_index=int(entry.params.get("first_layer_index", spec.num_layers)))
     raise BundleError(f"drafter kind {entry.kind!r} is not available in this runtime yet")
 
 
@@ -119,16 +129,19 @@ class Session:
         entry = b.drafters.get(name)
         if entry is not None and entry.spec is not None:
             shapes["draft"] = CacheShape(entry.spec.num_layers, entry.spec.num_kv_heads, entry.spec.head_dim)
+        if entry is not None and entry.kind == "mtp":
+            shapes["mtp"] = mtp_cache_shape(spec)
         positions = config.memory.max_context
         if config.memory.budget_mb > 0:
             positions = min(positions, KVArena.positions_for_budget(list(shapes.values()),
                                                                     int(config.memory.budget_mb * 2**20)))
-        self.arena = KVArena.for_context(shapes, positions)
+        # + drafted rows: a drafter's cache holds the context plus the branch it is drafting
+        self.arena = KVArena.for_context(shapes, positions + 64)
         cache = self.arena.allocate("target", shapes["target"], positions)
         taps = ()
         self.target = open_model(b, spec, b.target_files(config.backend.kind), config.backend, cache, taps)
         self.drafter = build_drafter(name, b, config.backend, self.arena, positions, config.drafter.num_tokens,
-                                     config.drafter.branching)
+                                     config.drafter.branching, getattr(self.target, "w", None))
         self.drafter_kind = name
         self.backend_name = config.backend.kind
         eos = set(spec.eos_token_ids)
