@@ -1,0 +1,364 @@
+"""The edgespec lifecycle node: thin glue between ROS 2 and `runtime.session.Session`.
+
+    configure  -> Session.open(bundle, drafter, backend, max_context)   (parameters, e.g. configs/ros/edgespec.yaml)
+    activate   -> serve ~/plan, ~/action_tokens (services) and ~/generate (action)
+    deactivate -> stop serving: queued requests fail, a running generation is cancelled
+    cleanup    -> Session.close() frees the model memory
+
+Requests are served one at a time (batch 1) from a RequestQueue; the service callbacks and the
+action's execution wait there in their own (reentrant) callback group while the diagnostics timer,
+the lifecycle services and cancel requests run in other groups of a MultiThreadedExecutor.
+Uses only rclpy API common to Humble, Jazzy and Kilted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import threading
+import time
+import traceback
+from typing import Callable, Optional
+
+import rclpy
+from diagnostic_msgs.msg import DiagnosticArray
+from edgespec_interfaces.action import Generate
+from edgespec_interfaces.msg import DecodeStats as DecodeStatsMsg
+from edgespec_interfaces.srv import ActionTokens, Plan
+from rclpy.action import ActionServer, CancelResponse, GoalResponse
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.lifecycle import Node as LifecycleNode
+from rclpy.lifecycle import State, TransitionCallbackReturn
+
+from edgespec_ros import messages
+from edgespec_ros.parameters import declare_parameters
+from edgespec_ros.request_queue import PRIORITY_ACTIONS, PRIORITY_NORMAL, GaveUp, QueueFull, RequestQueue
+from runtime.errors import EdgespecError, RequestError
+from runtime.session import GenerationParams, Session
+
+
+class EdgespecNode(LifecycleNode):
+    def __init__(self, node_name: str = "edgespec", **kwargs):
+        super().__init__(node_name, **kwargs)
+        self.p = declare_parameters(self)
+        self.session: Optional[Session] = None
+        self.queue = RequestQueue(self.p.queue_limit)
+        self._active = False
+        self._lock = threading.Lock()  # guards the counters below
+        self._counts = {"served": 0, "failed": 0, "rejected": 0}
+        self._last_error: Optional[str] = None
+        self._configure_error: Optional[str] = None
+        self._last_tau = 0.0
+        self._memory_bytes = 0
+
+        # Generation waits and runs here; everything else lives in other groups so it keeps running.
+        self.generation_group = ReentrantCallbackGroup()
+        self._action_control_group = ReentrantCallbackGroup()
+        self._diagnostics_group = MutuallyExclusiveCallbackGroup()
+
+        self.create_service(Plan, "~/plan", self._on_plan, callback_group=self.generation_group)
+        self.create_service(ActionTokens, "~/action_tokens", self._on_action_tokens,
+                            callback_group=self.generation_group)
+        self._action_server = ActionServer(
+            self, Generate, "~/generate", execute_callback=self._on_generate,
+            goal_callback=self._on_goal, cancel_callback=lambda _goal: CancelResponse.ACCEPT,
+            callback_group=self._action_control_group)
+        self._stats_pub = self.create_publisher(DecodeStatsMsg, "~/stats", 10)
+        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self._diag_timer = self.create_timer(self.p.diagnostics_period_s, self._publish_diagnostics,
+                                             callback_group=self._diagnostics_group)
+        self.p.on_change("diagnostics_period_s", self._restart_diagnostics_timer)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def on_configure(self, state: State) -> TransitionCallbackReturn:
+        p = self.p
+        self.get_logger().info(f"configure: opening bundle {p.bundle_path()} (drafter={p.drafter or 'default'}, "
+                               f"backend={p.backend or 'auto'}, max_context={p.max_context or 'default'})")
+        try:
+            self.session = Session.open(p.bundle_path(), drafter=p.drafter or None, backend=p.backend or None,
+                                        max_context=p.max_context or None)
+        except EdgespecError as exc:
+            self._configure_error = f"{type(exc).__name__}: {exc}"
+            self.get_logger().error(f"configure failed: {self._configure_error}")
+            return TransitionCallbackReturn.FAILURE
+        self._configure_error = None
+        self._memory_bytes = self.session.memory_in_use()
+        self.get_logger().info(f"configured: drafter={self.session.drafter_kind} backend={self.session.backend_name} "
+                               f"memory={self._memory_bytes / 2**20:.1f} MiB")
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_activate(self, state: State) -> TransitionCallbackReturn:
+        self._active = True
+        self.get_logger().info("active: serving requests")
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_deactivate(self, state: State) -> TransitionCallbackReturn:
+        self._active = False  # waiters give up, a running generate() sees should_stop()
+        self.get_logger().info("inactive: not serving")
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_cleanup(self, state: State) -> TransitionCallbackReturn:
+        self._close_session()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_shutdown(self, state: State) -> TransitionCallbackReturn:
+        self._active = False
+        self._close_session()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_error(self, state: State) -> TransitionCallbackReturn:
+        self._active = False
+        self._close_session()
+        return TransitionCallbackReturn.SUCCESS
+
+    def _close_session(self) -> None:
+        if not self.queue.wait_idle(timeout_s=30.0):
+            self.get_logger().warn("cleanup: a generation is still running after 30 s; closing anyway")
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+            self._memory_bytes = 0
+            self.get_logger().info("cleaned up: model memory released")
+
+    # ---- requests --------------------------------------------------------------------------------
+    def _on_plan(self, req: Plan.Request, resp: Plan.Response) -> Plan.Response:
+        context = "\n".join(s for s in (req.context, req.observation and f"Observation: {req.observation}") if s)
+
+        def run(session: Session, params: GenerationParams, _stop):
+            return session.plan(req.instruction, context=context, params=params)
+
+        return self._serve("plan", req, resp, PRIORITY_NORMAL, run, messages.fill_plan)
+
+    def _on_action_tokens(self, req: ActionTokens.Request, resp: ActionTokens.Response) -> ActionTokens.Response:
+        def run(session: Session, params: GenerationParams, _stop):
+            chunk = {"num_actions": int(req.num_actions)} if req.num_actions else {}  # 0: the runtime's default
+            return session.action_tokens(req.instruction, observation=list(req.observation),
+                                         observation_text=req.observation_text, params=params, **chunk)
+
+        priority = PRIORITY_ACTIONS if self.p.prioritise_actions else PRIORITY_NORMAL
+        return self._serve("action_tokens", req, resp, priority, run, messages.fill_action_tokens)
+
+    def _on_goal(self, goal: Generate.Goal) -> GoalResponse:
+        reason = None
+        if not self._active:
+            reason = f"node is {self._state_label()}, not active"
+        elif len(self.queue) >= self.queue.limit:
+            reason = f"queue full ({self.queue.limit})"
+        if reason:
+            self._count("rejected")
+            self.get_logger().warn(f"generate goal rejected: {reason}")
+            return GoalResponse.REJECT
+        return GoalResponse.ACCEPT
+
+    def _on_generate(self, goal_handle) -> Generate.Result:
+        goal: Generate.Goal = goal_handle.request
+        feedback = _FeedbackBatcher(goal_handle.publish_feedback, self.p.feedback_period_s)
+
+        def run(session: Session, params: GenerationParams, stop: Callable[[], bool]):
+            try:
+                return session.generate(goal.prompt, params, on_delta=feedback.add, should_stop=stop)
+            finally:
+                feedback.flush()
+
+        result = self._serve("generate", goal, Generate.Result(), PRIORITY_NORMAL, run, messages.fill_generate,
+                             prompt_field="prompt", cancelled=lambda: goal_handle.is_cancel_requested)
+        if result.finish_reason == "cancelled" and not goal_handle.is_cancel_requested:
+            result.success, result.error_field = False, "state"  # stopped by deactivate, not by the client
+            result.message = "node deactivated during the generation; partial text returned"
+        if goal_handle.is_cancel_requested and result.finish_reason == "cancelled":
+            goal_handle.canceled()
+        elif result.success:
+            goal_handle.succeed()
+        else:
+            goal_handle.abort()
+        return result
+
+    def _serve(self, kind: str, req, resp, priority: int, run, fill, prompt_field: str = "instruction",
+               cancelled: Callable[[], bool] = lambda: False):
+        """Check, queue, generate, answer. Every outcome lands in `resp`; nothing escapes to rclpy."""
+        received = time.monotonic()
+        ticket = None
+        try:
+            params = self._params(req, prompt_field)
+            if not self._active or self.session is None:
+                raise RequestError("state", f"node is {self._state_label()}, not active: activate it first "
+                                            "(lifecycle transition 'activate')")
+            try:
+                ticket = self.queue.join(priority)
+            except QueueFull as exc:
+                raise RequestError("queue", str(exc)) from None
+            deadline = received + req.deadline_s if req.deadline_s > 0 else None
+
+            def give_up() -> Optional[str]:
+                if cancelled():
+                    return "cancelled"
+                if not self._active:
+                    return "node deactivated while the request was queued"
+                if deadline is not None and time.monotonic() >= deadline:
+                    return "deadline"
+                return None
+
+            try:
+                self.queue.wait_turn(ticket, give_up)
+            except GaveUp as exc:
+                if str(exc) in ("deadline", "cancelled"):
+                    return self._unserved(resp, str(exc), ticket.waited_s)
+                raise RequestError("state", str(exc)) from None
+            session = self.session
+            if session is None or not self._active:
+                raise RequestError("state", f"node became {self._state_label()} while the request was queued")
+            if deadline is not None:
+                params = dataclasses.replace(params, deadline_s=max(deadline - time.monotonic(), 1e-3))
+            res = run(session, params, lambda: cancelled() or not self._active)
+            fill(resp, res)
+            resp.success = True
+            resp.stats = messages.stats_msg(res.stats, ticket.waited_s)
+            self._finished(res.stats)
+        except RequestError as exc:
+            resp.success, resp.error_field, resp.message = False, exc.field, str(exc)
+            self._count("failed")
+            self.get_logger().warn(f"{kind}: refused: {exc}")
+        except EdgespecError as exc:
+            resp.success, resp.message = False, f"{type(exc).__name__}: {exc}"
+            self._failed(f"{kind}: {resp.message}")
+        except Exception as exc:  # a bug must fail one request, not the node
+            resp.success, resp.message = False, f"internal error: {type(exc).__name__}: {exc}"
+            self._failed(f"{kind}: {resp.message}\n{traceback.format_exc()}")
+        finally:
+            if ticket is not None:
+                self.queue.leave(ticket)
+        return resp
+
+    def _params(self, req, prompt_field: str) -> GenerationParams:
+        """Cheap checks answered before queueing; the runtime checks the rest (prompt length, budget, ...)."""
+        if not getattr(req, prompt_field).strip():
+            raise RequestError(prompt_field, "is empty: send the instruction text")
+        if not math.isfinite(req.temperature) or req.temperature < 0:
+            raise RequestError("temperature", f"must be a finite number >= 0, got {req.temperature}")
+        if not math.isfinite(req.deadline_s) or req.deadline_s < 0:
+            raise RequestError("deadline_s", f"must be >= 0 seconds (0 = none), got {req.deadline_s}")
+        kwargs = dict(max_tokens=getattr(req, "max_tokens", 0) or self.p.default_max_tokens,
+                      temperature=float(req.temperature), seed=int(req.seed))
+        if getattr(req, "top_p", 0.0) > 0:
+            kwargs["top_p"] = float(req.top_p)
+        if getattr(req, "top_k", 0) > 0:
+            kwargs["top_k"] = int(req.top_k)
+        return GenerationParams(**kwargs)
+
+    def _unserved(self, resp, reason: str, waited_s: float):
+        """A request whose deadline passed (or that was cancelled) while queued: it has nothing yet."""
+        resp.success = True
+        resp.finish_reason = reason
+        resp.message = f"{reason} while queued (waited {waited_s:.3f} s); nothing generated"
+        session = self.session
+        resp.stats = messages.stats_msg(None, waited_s, session.drafter_kind if session else "",
+                                        session.backend_name if session else "")
+        self._count("served")
+        return resp
+
+    # ---- bookkeeping and diagnostics -------------------------------------------------------------
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self._counts[key] += 1
+
+    def _finished(self, stats) -> None:
+        with self._lock:
+            self._counts["served"] += 1
+            self._last_tau = float(stats.tau)
+            self._memory_bytes = int(stats.memory_bytes) or self._memory_bytes
+        self._stats_pub.publish(messages.stats_msg(stats))
+
+    def _failed(self, message: str) -> None:
+        with self._lock:
+            self._counts["failed"] += 1
+            self._last_error = message.splitlines()[0]
+        self.get_logger().error(message)
+
+    def _state_label(self) -> str:
+        if self._active:
+            return "active"
+        return "inactive" if self.session is not None else "unconfigured"
+
+    def _publish_diagnostics(self) -> None:
+        session = self.session
+        state = self._state_label()
+        with self._lock:
+            counts, last_error, tau = dict(self._counts), self._last_error, self._last_tau
+        message = self._configure_error or (f"{state}; last error: {last_error}" if last_error else state)
+        values = {
+            "state": state,
+            "bundle": self.p.bundle_path(),
+            "backend": session.backend_name if session else self.p.backend,
+            "drafter": session.drafter_kind if session else self.p.drafter,
+            "memory_bytes": self._memory_bytes,
+            "tau_last": tau,
+            "queue_length": len(self.queue),
+            "queue_limit": self.queue.limit,
+            "busy": self.queue.busy,
+            "requests_served": counts["served"],
+            "requests_failed": counts["failed"],
+            "goals_rejected": counts["rejected"],
+            "last_error": last_error or "",
+            "configure_error": self._configure_error or "",
+        }
+        level = messages.request_level(state, last_error, self._configure_error)
+        self._diag_pub.publish(messages.diagnostic_array(
+            self.get_clock().now().to_msg(), f"edgespec: {self.get_fully_qualified_name()}",
+            values["backend"] or "edgespec", level, message, values))
+
+    def _restart_diagnostics_timer(self, period_s: float) -> None:
+        self.destroy_timer(self._diag_timer)
+        self._diag_timer = self.create_timer(period_s, self._publish_diagnostics,
+                                             callback_group=self._diagnostics_group)
+
+
+class _FeedbackBatcher:
+    """Turns per-token deltas into feedback every `period_s` (per-token feedback gets dropped under load)."""
+
+    def __init__(self, publish, period_s: float):
+        self._publish, self._period_s = publish, period_s
+        self._pending: list = []
+        self._tokens = 0
+        self._seq = 0
+        self._last = time.monotonic()
+
+    def add(self, text_delta: str, total_tokens: int) -> None:
+        self._pending.append(text_delta)
+        self._tokens = total_tokens
+        if time.monotonic() - self._last >= self._period_s:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        msg = Generate.Feedback(text_delta="".join(self._pending), tokens=self._tokens, seq=self._seq)
+        self._pending, self._seq, self._last = [], self._seq + 1, time.monotonic()
+        self._publish(msg)
+
+
+def main(args=None) -> int:
+    rclpy.init(args=args)
+    node = None
+    try:
+        node = EdgespecNode()
+        executor = MultiThreadedExecutor(num_threads=node.queue.limit + 4)  # one per waiting request + control
+        executor.add_node(node)
+        if node.p.autostart:
+            if node.trigger_configure() == TransitionCallbackReturn.SUCCESS:
+                node.trigger_activate()
+        executor.spin()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    except EdgespecError as exc:  # e.g. a parameter file with a bad value
+        print(f"edgespec_node: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if node is not None:
+            node.destroy_node()
+        rclpy.try_shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

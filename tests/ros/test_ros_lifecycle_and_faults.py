@@ -1,0 +1,169 @@
+"""Lifecycle transitions, refusals while not active, a full queue, a bad params file and a backend
+failure mid-generation: each gets a clear answer and the node keeps serving."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from tests.ros.conftest import HERE, connect, spin_all, start_node
+
+NS = "/life"
+PATH = f"{NS}/edgespec"
+LONG = 8000  # tokens: many seconds on the tiny bundle; the tests cancel it or deactivate
+
+
+def _diagnostics(client_node, path: str, timeout_s: float = 3.0):
+    """The next /diagnostics status of the node at `path`, as (status, {key: value})."""
+    import rclpy
+    from diagnostic_msgs.msg import DiagnosticArray
+
+    got = []
+    sub = client_node.create_subscription(
+        DiagnosticArray, "/diagnostics", lambda m: got.extend(s for s in m.status if s.name.endswith(path)), 10)
+    t0 = time.monotonic()
+    while not got and time.monotonic() - t0 < timeout_s:
+        rclpy.spin_once(client_node, timeout_sec=0.05)
+    client_node.destroy_subscription(sub)
+    assert got, f"no diagnostics from {path} within {timeout_s} s"
+    return got[-1], {kv.key: kv.value for kv in got[-1].values}
+
+
+@pytest.fixture(scope="module")
+def managed(tiny_bundle, client_node, tmp_path_factory):
+    """A node without autostart: it waits unconfigured for lifecycle transitions."""
+    node = start_node(str(tmp_path_factory.mktemp("life")), NS,
+                      {"bundle": tiny_bundle, "autostart": False, "queue_limit": 2, "diagnostics_period_s": 0.5,
+                       "max_context": 8192})
+    client = connect(client_node, node, PATH, state="unconfigured")
+    yield client, node, tiny_bundle
+    assert node.stop() == 0, node.log()
+
+
+def _set_bundle(client, client_node, value: str) -> None:
+    from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
+    from rcl_interfaces.srv import SetParameters
+
+    put = client_node.create_client(SetParameters, f"{PATH}/set_parameters")
+    assert put.wait_for_service(timeout_sec=10)
+    req = SetParameters.Request(parameters=[Parameter(
+        name="bundle", value=ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=value))])
+    assert client._wait(put.call_async(req), 10).results[0].successful
+    client_node.destroy_client(put)
+
+
+def _ensure_active(client) -> None:
+    if client.state() == "unconfigured":
+        assert client.change_state("configure")
+    if client.state() == "inactive":
+        assert client.change_state("activate")
+    assert client.state() == "active"
+
+
+def test_lifecycle_configure_activate_deactivate_cleanup(managed, client_node):
+    client, _node, _bundle = managed
+    refused = client.plan(instruction="bring the cup")
+    assert not refused.success and refused.error_field == "state" and "unconfigured" in refused.message
+    rejected = client.send_goal(prompt="hello")
+    assert not rejected.accepted
+
+    assert client.change_state("configure") and client.state() == "inactive"
+    inactive = client.action_tokens(instruction="pick up the cup")
+    assert not inactive.success and inactive.error_field == "state" and "inactive" in inactive.message
+    _status, values = _diagnostics(client_node, PATH)
+    assert values["state"] == "inactive" and int(values["memory_bytes"]) > 0
+
+    assert client.change_state("activate") and client.state() == "active"
+    assert client.plan(instruction="bring the cup", max_tokens=4).success
+    accepted, _, result, _ = client.generate(prompt="hello", max_tokens=8)
+    assert accepted and result.success
+
+    assert client.change_state("deactivate") and client.state() == "inactive"
+    assert client.plan(instruction="bring the cup").error_field == "state"
+    assert client.change_state("cleanup") and client.state() == "unconfigured"
+    status, values = _diagnostics(client_node, PATH)
+    assert values["state"] == "unconfigured" and int(values["memory_bytes"]) == 0
+    assert status.level == b"\x01"  # WARN: not serving
+
+
+def test_configure_with_a_missing_bundle_fails_with_the_reason_and_can_be_retried(managed, client_node):
+    client, _node, bundle = managed
+    _set_bundle(client, client_node, "/nonexistent/bundle")
+    assert not client.change_state("configure")
+    assert client.state() == "unconfigured"
+    status, values = _diagnostics(client_node, PATH)
+    assert status.level == b"\x02" and "nonexistent" in status.message  # ERROR, naming the bundle
+    _set_bundle(client, client_node, bundle)
+    assert client.change_state("configure") and client.change_state("activate")
+    assert client.plan(instruction="bring the cup", max_tokens=4).success
+
+
+def test_a_full_queue_refuses_requests_with_a_clear_error(managed, client_node):
+    from edgespec_interfaces.srv import Plan
+
+    client, _node, _bundle = managed
+    _ensure_active(client)
+    handle = client.send_goal(prompt="navigate to the kitchen", max_tokens=LONG)  # 1 of queue_limit=2
+    assert handle.accepted
+    time.sleep(0.2)
+    futures = [client.plan_client.call_async(Plan.Request(instruction=f"bring cup {i}", max_tokens=4))
+               for i in range(3)]
+    time.sleep(0.5)
+    rejected_goal = client.send_goal(prompt="hello")
+    client._wait(handle.cancel_goal_async(), 10)
+    spin_all(client_node, futures)
+    answers = [f.result() for f in futures]
+    full = [a for a in answers if not a.success]
+    assert len(full) == 2 and all(a.error_field == "queue" and "queue_limit=2" in a.message for a in full)
+    assert sum(a.success for a in answers) == 1
+    assert not rejected_goal.accepted
+    client.result(handle)
+
+
+def test_deactivate_during_a_generation_stops_it_and_tells_the_client(managed):
+    client, _node, _bundle = managed
+    _ensure_active(client)
+    handle = client.send_goal(prompt="navigate to the kitchen", max_tokens=LONG)
+    assert handle.accepted
+    time.sleep(0.3)
+    assert client.change_state("deactivate")  # the lifecycle service runs while the generation does
+    status, result = client.result(handle)
+    assert status == 6 and not result.success  # ABORTED
+    assert result.error_field == "state" and result.finish_reason == "cancelled"
+    assert 0 < len(result.token_ids) < LONG
+    assert client.change_state("activate")
+    assert client.plan(instruction="bring the cup", max_tokens=4).success
+
+
+def test_a_bad_params_file_stops_the_node_at_start_with_the_parameter_named(tmp_path):
+    node = start_node(str(tmp_path), "/badparams", {"queue_limit": 0})
+    try:
+        node.proc.wait(timeout=30)
+    finally:
+        rc = node.stop()
+    assert rc == 2
+    assert "queue_limit" in node.log()
+
+
+def test_a_backend_failure_mid_generation_fails_that_request_and_the_node_keeps_serving(
+        tiny_bundle, client_node, tmp_path):
+    sys.path.insert(0, HERE)
+    from faulty_node import FAULT_MARKER
+
+    node = start_node(str(tmp_path), "/faulty", {"bundle": tiny_bundle, "autostart": True},
+                      script=os.path.join(HERE, "faulty_node.py"))
+    try:
+        client = connect(client_node, node, "/faulty/edgespec")
+        accepted, status, result, feedback = client.generate(prompt=f"navigate {FAULT_MARKER}", max_tokens=200)
+        assert accepted and status == 6  # ABORTED
+        assert not result.success and "BackendError" in result.message and "injected fault" in result.message
+        assert feedback, "the fault came after tokens had been streamed"
+        again = client.generate(prompt="navigate to the kitchen", max_tokens=16)
+        assert again[0] and again[2].success, again[2].message
+        _, values = _diagnostics(client_node, "/faulty/edgespec")
+        assert "injected fault" in values["last_error"] and int(values["requests_failed"]) >= 1
+        assert node.alive()
+    finally:
+        assert node.stop() == 0, node.log()
