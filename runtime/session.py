@@ -135,11 +135,15 @@ class Session:
         if config.memory.budget_mb > 0:
             positions = min(positions, KVArena.positions_for_budget(list(shapes.values()),
                                                                     int(config.memory.budget_mb * 2**20)))
+        # The arena's dtype is the K/V dtype of the backend's graphs (fp16 ONNX graphs keep an fp16 cache).
+        files = b.target_files(config.backend.kind)
+        # (numpy drafters sharing an fp16 arena read it upcast; only the drafter's precision is affected, not exactness)
+        kv_dtype = np.float16 if files.params.get("precision") == "fp16" else np.float32
         # + drafted rows: a drafter's cache holds the context plus the branch it is drafting
-        self.arena = KVArena.for_context(shapes, positions + 64)
+        self.arena = KVArena.for_context(shapes, positions + 64, dtype=kv_dtype)
         cache = self.arena.allocate("target", shapes["target"], positions)
         taps = ()
-        self.target = open_model(b, spec, b.target_files(config.backend.kind), config.backend, cache, taps)
+        self.target = open_model(b, spec, files, config.backend, cache, taps)
         self.drafter = build_drafter(name, b, config.backend, self.arena, positions, config.drafter.num_tokens,
                                      config.drafter.branching, getattr(self.target, "w", None))
         self.drafter_kind = name

@@ -1,0 +1,337 @@
+"""Export a decoder (the target, or a draft model) as an ONNX graph for batch-1 decoding with a KV cache.
+
+The graph is hand-written in torch rather than traced through HF's forward, because HF returns the
+whole present K/V (a copy of the cache every step); this graph returns only the NEW rows, which the
+runtime binds straight into its KV arena (runtime/backends/onnx.py).
+
+Graph contract (recorded in the bundle as backend "onnx", params {"precision", "taps", "kv_layout"}):
+  inputs   input_ids       int64   (T,)
+           position_ids    int64   (T,)              rope positions (a flattened tree repeats depths)
+           attention_mask  float32 (T, P+T)          additive: 0 = may attend, -inf = may not
+           past_key_{i}    kv      (P, nkv, d)       one per layer i; the first P rows of layer i's K
+           past_value_{i}  kv      (P, nkv, d)
+  outputs  logits          float32 (T, V)
+           tap_<name>      float32 (T, H)            one per exported tap, "layer_in.3" -> tap_layer_in_3
+           new_key_{i}     kv      (T, nkv, d)       only the new rows of layer i
+           new_value_{i}   kv      (T, nkv, d)
+Per-layer K/V inputs let the runtime keep its cache layer-major ((L, max_pos, nkv, d) in the arena), so
+each layer's past is one contiguous block bound by pointer: the graph never slices or copies the past.
+Attention reads each layer's past exactly once, as a 2-D (P, nkv*d) matrix (see `_attention`).
+T and P are dynamic. `kv` is float32 (precision fp32) or float16 (precision fp16).
+
+fp16: weights, activations and the K/V are float16; RMSNorm statistics, rope angles and softmax run
+in float32 (as HF does under autocast) and logits / taps leave the graph as float32. This halves the
+weight bytes a memory-bound decode streams and is the graph TensorRT / the CUDA EP want.
+
+A drafter that is a decoder stack of its own (a draft model) is exported by the same function with
+its own spec and weights: it gets its own KV view in the same arena at run time."""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from typing import Dict, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import onnx
+import torch
+from torch import nn
+
+from runtime import bundle as bundle_mod
+from runtime.backends.base import parse_tap
+from runtime.backends.numpy_ref import NumpyTarget, cache_shape, load_float32, required_weight_names
+from runtime.backends.onnx import OnnxTarget, tap_output_name
+from runtime.errors import BundleError
+from runtime.kv import KVArena
+from runtime.layers import rope_inv_freq
+from runtime.model_spec import ModelSpec
+from runtime.tensors import read_safetensors
+
+PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16}
+OPSET = 18
+KV_LAYOUT = "layer_major"  # the runtime's view of its arena rows: (L, max_pos, nkv, d)
+
+
+def input_names(num_layers: int) -> list:
+    return (["input_ids", "position_ids", "attention_mask"] + [f"past_key_{i}" for i in range(num_layers)]
+            + [f"past_value_{i}" for i in range(num_layers)])
+
+
+def output_names(taps: Sequence[str], num_layers: int) -> list:
+    return (["logits"] + [tap_output_name(t) for t in taps] + [f"new_key_{i}" for i in range(num_layers)]
+            + [f"new_value_{i}" for i in range(num_layers)])
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf.to(x.dtype) * w
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, heads, d), rotate-half convention (HF Llama/Qwen); cos/sin (T, 1, d)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderGraph(nn.Module):
+    """One decoder-only model as an export-friendly module (see the module docstring for the contract)."""
+
+    def __init__(self, spec: ModelSpec, weights: Mapping[str, np.ndarray], taps: Sequence[str], precision: str):
+        super().__init__()
+        self.spec = spec
+        self.dtype = PRECISIONS[precision]
+        self.taps = list(taps)
+        for t in self.taps:
+            parse_tap(t, spec.num_layers)
+        w = load_float32(weights, required_weight_names(spec), "export")
+        self._names: Dict[str, str] = {}
+        for name, arr in w.items():
+            attr = name.replace(".", "__")
+            self.register_buffer(attr, torch.from_numpy(arr.copy()).to(self.dtype), persistent=False)
+            self._names[name] = attr
+        # The rope inverse frequencies are the numpy reference's (incl. linear / llama3 scaling), baked in.
+        self.register_buffer("inv_freq", torch.from_numpy(rope_inv_freq(spec).copy()), persistent=False)
+        self.register_buffer("kv_eye", torch.eye(spec.num_kv_heads, dtype=self.dtype), persistent=False)
+
+    def w(self, name: str) -> torch.Tensor:
+        return getattr(self, self._names[name])
+
+    def _linear(self, x: torch.Tensor, name: str, bias: bool = False) -> torch.Tensor:
+        y = x @ self.w(name + ".weight").t()
+        return y + self.w(name + ".bias") if bias else y
+
+    def _attention(self, q, k, v, past_k, past_v, mask):
+        """q (T, nh, d); k/v (T, nkv, d); past_k/v (P, nkv, d); mask (T, P+T) float32 additive -> (T, nh*d).
+
+        The past is read once, as the 2-D matrix (P, nkv*d), with no transpose or slice copy: the query
+        of kv-head n is placed in columns n*d..(n+1)*d of a block-diagonal (nkv*g*T, nkv*d) matrix, so
+        one GEMM against past^T gives every head's scores (the zero blocks add exact zeros). Likewise
+        probs @ past gives (nkv*g*T, nkv*d) of which head n keeps its diagonal block. The extra FLOPs
+        (x nkv) are cheap next to reading the cache; the new rows (T, small) use the plain form."""
+        s = self.spec
+        t, nkv, g, d = q.shape[0], s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim
+        p = past_k.shape[0]
+        qg = q.reshape(t, nkv, g, d).permute(1, 2, 0, 3).reshape(nkv, g * t, d)  # (nkv, g*T, d)
+        q_blocks = (qg[:, :, None, :] * self.kv_eye[:, None, :, None]).reshape(nkv * g * t, nkv * d)
+        s_past = (q_blocks @ past_k.reshape(p, nkv * d).t()).reshape(nkv, g * t, p)  # (nkv, g*T, P)
+        s_new = qg @ k.permute(1, 2, 0)  # (nkv, g*T, T)
+        scores = torch.cat([s_past, s_new], dim=-1).float() * (1.0 / float(np.sqrt(d)))
+        scores = scores.reshape(nkv, g, t, -1) + mask  # (nkv, g, T, P+T)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).reshape(nkv, g * t, -1)
+        o_all = (probs[..., :p].reshape(nkv * g * t, p) @ past_v.reshape(p, nkv * d)).reshape(nkv, g * t, nkv, d)
+        out = (o_all * self.kv_eye[:, None, :, None]).sum(dim=2) + probs[..., p:] @ v.permute(1, 0, 2)  # (nkv, g*T, d)
+        return out.reshape(nkv, g, t, d).permute(2, 0, 1, 3).reshape(t, s.num_heads * d)
+
+    def forward(self, input_ids, position_ids, attention_mask, past_keys, past_values):
+        s = self.spec
+        nh, nkv, d, eps = s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps
+        t = input_ids.shape[0]
+        freqs = position_ids.float()[:, None] * self.inv_freq[None, :]  # (T, d/2)
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # (T, 1, d)
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        x = self.w("model.embed_tokens.weight")[input_ids]  # (T, H)
+        taps: Dict[str, torch.Tensor] = {}
+        new_k, new_v = [], []
+        for i in range(s.num_layers):
+            p = f"model.layers.{i}."
+            taps[f"layer_in.{i}"] = x
+            h = _rms_norm(x, self.w(p + "input_layernorm.weight"), eps)
+            q = self._linear(h, p + "self_attn.q_proj", s.qkv_bias).reshape(t, nh, d)
+            k = self._linear(h, p + "self_attn.k_proj", s.qkv_bias).reshape(t, nkv, d)
+            v = self._linear(h, p + "self_attn.v_proj", s.qkv_bias).reshape(t, nkv, d)
+            if s.qk_norm:
+                q = _rms_norm(q, self.w(p + "self_attn.q_norm.weight"), eps)
+                k = _rms_norm(k, self.w(p + "self_attn.k_norm.weight"), eps)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            new_k.append(k)
+            new_v.append(v)
+            attn = self._attention(q, k, v, past_keys[i], past_values[i], attention_mask)
+            x = x + self._linear(attn, p + "self_attn.o_proj")
+            h = _rms_norm(x, self.w(p + "post_attention_layernorm.weight"), eps)
+            gate = self._linear(h, p + "mlp.gate_proj")
+            x = x + self._linear(torch.nn.functional.silu(gate) * self._linear(h, p + "mlp.up_proj"), p + "mlp.down_proj")
+            taps[f"layer_out.{i}"] = x
+        h = _rms_norm(x, self.w("model.norm.weight"), eps)
+        taps["final_norm"] = h
+        head = self.w("model.embed_tokens.weight") if s.tie_word_embeddings else self.w("lm_head.weight")
+        logits = (h @ head.t()).float()  # (T, V)
+        return (logits, *[taps[n].float() for n in self.taps], *new_k, *new_v)  # new K/V: L x (T, nkv, d) each
+
+
+def export_decoder_onnx(spec: ModelSpec, weights: Mapping[str, np.ndarray], out_path: str,
+                        taps: Sequence[str] = ("final_norm",), precision: str = "fp32") -> str:
+    """Export any decoder stack (target or draft model) to `out_path` (+ `out_path`.data with the weights).
+    Returns out_path. The graph is checked with onnx.checker before returning."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: expected one of {sorted(PRECISIONS)}")
+    module = DecoderGraph(spec, weights, taps, precision).eval()
+    dt = PRECISIONS[precision]
+    shape = cache_shape(spec)
+    t, p = 3, 5  # example sizes; both are exported as dynamic (avoid 0/1, which torch.export specialises)
+    kv = (p, shape.num_kv_heads, shape.head_dim)
+    layers = range(spec.num_layers)
+    args = (torch.zeros(t, dtype=torch.int64), torch.arange(p, p + t), torch.zeros(t, p + t),
+            [torch.zeros(kv, dtype=dt) for _ in layers], [torch.zeros(kv, dtype=dt) for _ in layers])
+    T, P, S = torch.export.Dim("T"), torch.export.Dim("P"), torch.export.Dim("S")  # S = P+T, inferred
+    dynamic = {"input_ids": {0: T}, "position_ids": {0: T}, "attention_mask": {0: T, 1: S},
+               "past_keys": [{0: P} for _ in layers], "past_values": [{0: P} for _ in layers]}
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with torch.no_grad():
+        program = torch.onnx.export(module, args, dynamo=True, opset_version=OPSET,
+                                    input_names=input_names(spec.num_layers),
+                                    output_names=output_names(taps, spec.num_layers),
+                                    dynamic_shapes=dynamic, verbose=False)
+    # Save through a scratch directory, then re-save with one data file of a fixed name (the bundle
+    # lists it). onnx appends to an existing data file, so stale files are removed first.
+    data = os.path.basename(out_path) + ".data"
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(out_path))) as scratch:
+        program.save(os.path.join(scratch, "graph.onnx"), external_data=True)
+        model = onnx.load(os.path.join(scratch, "graph.onnx"))
+    for stale in (out_path, out_path + ".data"):
+        if os.path.exists(stale):
+            os.remove(stale)
+    onnx.save(model, out_path, save_as_external_data=True, all_tensors_to_one_file=True,
+              location=data, size_threshold=1024)
+    onnx.checker.check_model(out_path, full_check=False)
+    return out_path
+
+
+def export_target_onnx(spec: ModelSpec, weights: Mapping[str, np.ndarray], out_path: str,
+                       taps: Sequence[str] = ("final_norm",), precision: str = "fp32") -> str:
+    """The target model as an ONNX graph (see the module docstring for inputs/outputs)."""
+    return export_decoder_onnx(spec, weights, out_path, taps, precision)
+
+
+def export_draft_model_onnx(spec: ModelSpec, weights: Mapping[str, np.ndarray], out_path: str,
+                            precision: str = "fp32") -> str:
+    """A draft model (a small decoder of the target's tokenizer) is one more decoder stack, no taps."""
+    return export_decoder_onnx(spec, weights, out_path, (), precision)
+
+
+def share_initializers(graph_path: str, source_path: str, min_bytes: int = 4096) -> int:
+    """Point every weight of `graph_path` that is byte-identical to an external weight of `source_path`
+    (e.g. a drafter's copy of the target's embedding / LM head) at the source's data file, at the same
+    offset, and rewrite the graph's own data file without it: one copy of the vocab-sized matrices per
+    bundle. Both graphs must sit in the same directory. Returns how many tensors are now shared."""
+    folder = os.path.dirname(os.path.abspath(source_path))
+    if os.path.dirname(os.path.abspath(graph_path)) != folder:
+        raise ValueError(f"{graph_path} and {source_path} must be in the same directory to share data files")
+    index = {}
+    for init in onnx.load(source_path, load_external_data=False).graph.initializer:
+        if init.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in init.external_data}
+        with open(os.path.join(folder, info["location"]), "rb") as f:
+            f.seek(int(info.get("offset", 0)))
+            blob = f.read(int(info["length"]))
+        index[(init.data_type, tuple(init.dims), hashlib.sha256(blob).hexdigest())] = info
+    model = onnx.load(graph_path)  # with its data
+    shared = 0
+    for init in model.graph.initializer:
+        raw = init.raw_data
+        if len(raw) < min_bytes:
+            continue
+        info = index.get((init.data_type, tuple(init.dims), hashlib.sha256(raw).hexdigest()))
+        if info is None:
+            continue
+        init.ClearField("raw_data")
+        init.data_location = onnx.TensorProto.EXTERNAL
+        del init.external_data[:]
+        for key in ("location", "offset", "length"):
+            if key in info:
+                init.external_data.add(key=key, value=info[key])
+        shared += 1
+    own = os.path.basename(graph_path) + ".data"
+    os.remove(graph_path + ".data")
+    onnx.save(model, graph_path, save_as_external_data=True, all_tensors_to_one_file=True, location=own,
+              size_threshold=1024)
+    onnx.checker.check_model(graph_path, full_check=False)
+    return shared
+
+
+def reference_cases(spec: ModelSpec, seed: int = 0):
+    """A few (prefix, tokens, positions, mask) cases: prefill, one decode step, a 4-node tree."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, spec.vocab_size, 12)
+    p = len(prefix)
+    tree = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], bool)
+    return [
+        ("prefill", prefix[:0], prefix, np.arange(p), None),
+        ("decode", prefix, rng.integers(0, spec.vocab_size, 1), np.array([p]), None),
+        ("tree", prefix, rng.integers(0, spec.vocab_size, 4), np.array([p, p + 1, p + 1, p + 2]),
+         np.concatenate([np.ones((4, p), bool), tree], axis=1)),
+    ]
+
+
+def validate_onnx(spec: ModelSpec, weights: Mapping[str, np.ndarray], onnx_path: str,
+                  taps: Sequence[str] = ("final_norm",), precision: str = "fp32", verbose: bool = True) -> float:
+    """Run the exported graph through OnnxTarget and the numpy reference on a few inputs; print and
+    return the max relative error over logits and taps (|a-b|max / |b|max)."""
+    kv_dtype = np.float16 if precision == "fp16" else np.float32
+    worst = 0.0
+    for name, prefix, tokens, positions, mask in reference_cases(spec):
+        n = len(prefix) + len(tokens)
+        ref = NumpyTarget(spec, weights, KVArena.for_context({"t": cache_shape(spec)}, n).allocate("t", cache_shape(spec), n))
+        ort = OnnxTarget(spec, onnx_path, KVArena.for_context({"t": cache_shape(spec)}, n, kv_dtype)
+                         .allocate("t", cache_shape(spec), n), tap_names=taps)
+        if len(prefix):
+            ref.forward(prefix, np.arange(len(prefix)))
+            ort.forward(prefix, np.arange(len(prefix)))
+        a, b = ort.forward(tokens, positions, mask, taps), ref.forward(tokens, positions, mask, taps)
+        errs = {"logits": _rel(a.logits, b.logits), **{t: _rel(a.taps[t], b.taps[t]) for t in taps}}
+        worst = max(worst, *errs.values())
+        if verbose:
+            print(f"  {name:8s} T={len(tokens):2d} P={len(prefix):2d}  " +
+                  "  ".join(f"{k} max rel err {v:.2e}" for k, v in errs.items()))
+    if verbose:
+        print(f"{onnx_path}: max rel error vs numpy reference {worst:.2e} ({precision})")
+    return worst
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a.astype(np.float32) - b)) / max(float(np.max(np.abs(b))), 1e-12))
+
+
+def _safetensors_weights(b, files: Sequence[str]) -> Dict[str, np.ndarray]:
+    weights: Dict[str, np.ndarray] = {}
+    for rel in files:
+        if rel.endswith(".safetensors"):
+            weights.update(read_safetensors(b.path(rel)))
+    return weights
+
+
+def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[Sequence[str]] = None,
+                       validate: bool = True) -> Tuple[str, ...]:
+    """Export the bundle's target (from its numpy_ref safetensors) to ONNX and register it as backend
+    "onnx"; likewise every `draft_model` drafter that has a spec and safetensors. Taps default to every
+    tap the bundle's drafters read, plus final_norm. Returns the new files (relative to the bundle)."""
+    b = bundle_mod.load(bundle_dir)
+    if taps is None:
+        taps = sorted({"final_norm"} | {t for d in b.drafters.values() for t in d.target_taps})
+    weights = _safetensors_weights(b, b.target_files("numpy_ref").files)
+    if not weights:
+        raise BundleError(f"{bundle_dir}: the numpy_ref target lists no .safetensors files to export from")
+    writer = bundle_mod.BundleWriter.extend(bundle_dir)
+    rel = f"onnx/target.{precision}.onnx"
+    export_target_onnx(b.target.spec, weights, os.path.join(bundle_dir, rel), taps, precision)
+    if validate:
+        validate_onnx(b.target.spec, weights, os.path.join(bundle_dir, rel), taps, precision)
+    writer.add_target_backend("onnx", [rel, rel + ".data"], {"precision": precision, "taps": list(taps), "kv_layout": KV_LAYOUT})
+    written = [rel, rel + ".data"]
+    for name, d in b.drafters.items():
+        if d.kind != "draft_model" or d.spec is None:
+            continue  # MTP / EAGLE / Medusa / DFlash graphs join here as their modules land
+        dw = _safetensors_weights(b, d.files)
+        if not dw:
+            continue
+        drel = f"onnx/drafter.{name}.{precision}.onnx"
+        export_draft_model_onnx(d.spec, dw, os.path.join(bundle_dir, drel), precision)
+        share_initializers(os.path.join(bundle_dir, drel), os.path.join(bundle_dir, rel))  # a shared vocab matrix
+        if validate:
+            validate_onnx(d.spec, dw, os.path.join(bundle_dir, drel), (), precision)
+        writer.add_drafter_backend(name, "onnx", [drel, drel + ".data"], {"precision": precision, "taps": [], "kv_layout": KV_LAYOUT})
+        written += [drel, drel + ".data"]
+    writer.write()
+    return tuple(written)

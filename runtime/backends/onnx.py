@@ -1,0 +1,213 @@
+"""The ONNX Runtime target backend: runs the graph `edgespec export --to onnx` writes, on CPU here and
+through the CUDA / TensorRT execution providers on a Jetson.
+
+Zero-copy KV. The graph takes each layer's past K/V (P, nkv, d) and returns only the new rows (T, nkv, d).
+This backend keeps its cache LAYER-major: the bytes of its `KVCache` (a view of the process's one arena)
+are read as (L, max_pos, nkv, d), so layer i's past `k[i, :P]` is one contiguous block, bound as input
+`past_key_{i}` by pointer, and output `new_key_{i}` is bound to `k[i, P:P+T]`, so ORT writes the new rows
+straight into the arena. Nothing of size O(context) is copied per step, in Python or in the graph (a
+single position-major (P, L, nkv, d) input would make the graph split the past into layers: a full copy
+of the cache every step, measured at ~25% of a 125M model's step at context 2048). Rolling back is a
+smaller P; after a tree verify `keep` moves only the accepted rows.
+
+Logits and taps are written into preallocated arrays the same way. On a GPU provider the arena would
+live in device memory; this class binds host memory ('cpu'), which is what the CPU EP (and a Jetson's
+unified memory) reads."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict, Optional, Sequence
+
+import numpy as np
+
+from runtime.backends.base import ForwardResult, parse_tap
+from runtime.errors import BackendError
+from runtime.kv import KVCache
+from runtime.model_spec import ModelSpec
+
+_INSTALL_HINT = {
+    "CUDAExecutionProvider": "install `onnxruntime-gpu` (and uninstall `onnxruntime`; they conflict) on a machine with CUDA",
+    "TensorrtExecutionProvider": "install `onnxruntime-gpu` built with TensorRT (JetPack's onnxruntime wheel on a Jetson)",
+    "CPUExecutionProvider": "install `onnxruntime`",
+}
+_ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+def _import_ort():
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        raise BackendError("the onnx backend needs onnxruntime: `pip install edgespec[onnx]` "
+                           "(or `onnxruntime-gpu` for the CUDA / TensorRT providers)") from exc
+    return onnxruntime
+
+
+def tap_output_name(tap: str) -> str:
+    """'layer_in.3' -> 'tap_layer_in_3' (the graph's output name for a hidden tap)."""
+    return "tap_" + tap.replace(".", "_")
+
+
+def additive_mask(mask: np.ndarray) -> np.ndarray:
+    """(T, S) bool, True = may attend -> (T, S) float32 with 0 / -inf, the graph's attention_mask."""
+    return np.where(mask, np.float32(0.0), np.float32(-np.inf))
+
+
+def causal_additive_mask(cache_len: int, t: int) -> np.ndarray:
+    """The additive form of runtime.layers.causal_mask, built without an intermediate bool array."""
+    m = np.zeros((t, cache_len + t), np.float32)
+    if t > 1:
+        m[:, cache_len:][np.triu_indices(t, 1)] = -np.inf
+    return m
+
+
+def _binders(ort, binding):
+    """bind_input / bind_output(name, dtype, shape, ptr) for host memory. The public IOBinding methods
+    rebuild an OrtDevice on every call (~half of this backend's Python time per step with 4 binds per
+    layer); where the wrapped C binding is reachable, bind through it with the device built once."""
+    c_binding = getattr(binding, "_iobinding", None)
+    try:
+        c_device = ort.OrtDevice.make("cpu", 0)._get_c_device()
+    except AttributeError:
+        c_binding = None
+    if c_binding is None:
+        return (lambda n, dt, shape, ptr: binding.bind_input(n, "cpu", 0, dt, shape, ptr),
+                lambda n, dt, shape, ptr: binding.bind_output(n, "cpu", 0, dt, shape, ptr))
+    return (lambda n, dt, shape, ptr: c_binding.bind_input(n, c_device, dt, shape, ptr),
+            lambda n, dt, shape, ptr: c_binding.bind_output(n, c_device, dt, shape, ptr))
+
+
+class OnnxTarget:
+    """A decoder-only model run by ONNX Runtime, implementing runtime.backends.base.TargetBackend."""
+
+    name = "onnx"
+
+    def __init__(self, spec: ModelSpec, model_path: str, cache: KVCache,
+                 providers: Sequence[str] = ("CPUExecutionProvider",), threads: int = 0,
+                 tap_names: Sequence[str] = ("final_norm",)):
+        ort = _import_ort()
+        available = ort.get_available_providers()
+        for p in providers:
+            if p not in available:
+                raise BackendError(f"ONNX Runtime provider {p!r} is not available in this onnxruntime "
+                                   f"({ort.__version__}: {available}); {_INSTALL_HINT.get(p, 'install an onnxruntime build with it')}, "
+                                   "or configure providers: [CPUExecutionProvider]")
+        if not os.path.isfile(model_path):
+            raise BackendError(f"{model_path}: no such ONNX graph; export it with `edgespec export --to onnx`")
+        self.spec = spec
+        self.cache = cache
+        self.model_path = model_path
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads or os.cpu_count() or 1
+        opts.inter_op_num_threads = 1
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        try:
+            self.session = ort.InferenceSession(model_path, opts, providers=list(providers))
+        except Exception as exc:  # ORT raises its own Fail/InvalidGraph types
+            raise BackendError(f"{model_path}: ONNX Runtime could not load the graph ({exc}); re-export it") from exc
+        self.threads = opts.intra_op_num_threads
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        if "past_key_0" not in inputs:
+            raise BackendError(f"{model_path}: the graph has no per-layer inputs past_key_i (an older export?); "
+                               "re-export it with `edgespec export --to onnx`")
+        self.kv_dtype = np.dtype(_ORT_DTYPES[inputs["past_key_0"].type])
+        if cache.k.dtype != self.kv_dtype:
+            raise BackendError(f"{model_path}: the graph's K/V are {self.kv_dtype}, the KV arena is {cache.k.dtype}; "
+                               "allocate the arena with the graph's dtype (fp16 graph -> float16 arena)")
+        outputs = {o.name for o in self.session.get_outputs()}
+        self.tap_names = tuple(tap_names)
+        for t in self.tap_names:
+            parse_tap(t, spec.num_layers)
+            if tap_output_name(t) not in outputs:
+                raise BackendError(f"{model_path}: the graph has no output for tap {t!r}; re-export with --taps {t}")
+        self.binding = self.session.io_binding()
+        self._bind_input, self._bind_output = _binders(ort, self.binding)
+        n, heads, d = spec.num_layers, spec.num_kv_heads, spec.head_dim
+        # The same arena bytes, seen layer-major (see the module docstring).
+        self.k = cache.k.reshape(n, cache.max_positions, heads, d)  # (L, max_pos, nkv, d)
+        self.v = cache.v.reshape(n, cache.max_positions, heads, d)
+        self._row = (heads, d)
+        self._row_bytes = heads * d * self.kv_dtype.itemsize
+        self._ptrs = [(f"_{i}", self.k[i].ctypes.data, self.v[i].ctypes.data) for i in range(n)]
+        self.last_run_s = 0.0  # time inside ORT during the last forward (the rest is Python overhead)
+
+    @property
+    def cache_len(self) -> int:
+        return self.cache.length
+
+    @property
+    def max_cache_len(self) -> int:
+        return self.cache.max_positions
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the graph and its external data: what one decode step streams from memory."""
+        data = self.model_path + ".data"
+        return os.path.getsize(self.model_path) + (os.path.getsize(data) if os.path.isfile(data) else 0)
+
+    def _bind_in(self, name: str, arr: np.ndarray) -> None:
+        self._bind_input(name, arr.dtype, arr.shape, arr.ctypes.data)
+
+    def _bind_out(self, name: str, arr: np.ndarray) -> None:
+        self._bind_output(name, arr.dtype, arr.shape, arr.ctypes.data)
+
+    def forward(self, tokens, positions, mask: Optional[np.ndarray] = None, taps: Sequence[str] = ()) -> ForwardResult:
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        positions = np.ascontiguousarray(positions, dtype=np.int64)
+        t, p = tokens.shape[0], self.cache.length
+        self.cache.check_room(t)
+        for name in taps:
+            if name not in self.tap_names:
+                raise BackendError(f"tap {name!r} was not exported in {self.model_path} (it has {list(self.tap_names)}); "
+                                   "re-export with `edgespec export --to onnx --taps ...`")
+        if mask is None:
+            add_mask = causal_additive_mask(p, t)
+        else:
+            if mask.shape != (t, p + t):
+                raise ValueError(f"mask shape {mask.shape}, expected {(t, p + t)} (new tokens x cache+new)")
+            add_mask = additive_mask(mask)
+        logits = np.empty((t, self.spec.vocab_size), np.float32)
+        got: Dict[str, np.ndarray] = {name: np.empty((t, self.spec.hidden_size), np.float32) for name in taps}
+        b = self.binding
+        b.clear_binding_inputs()
+        b.clear_binding_outputs()
+        self._bind_in("input_ids", tokens)
+        self._bind_in("position_ids", positions)
+        self._bind_in("attention_mask", add_mask)
+        past, new, dt = (p, *self._row), (t, *self._row), self.kv_dtype
+        skip = p * self._row_bytes
+        for i, kp, vp in self._ptrs:
+            # Layer i's past is rows [0, P) of its block and the new rows land at [P, P+T): by pointer, no copy.
+            self._bind_input("past_key" + i, dt, past, kp)
+            self._bind_input("past_value" + i, dt, past, vp)
+            self._bind_output("new_key" + i, dt, new, kp + skip)
+            self._bind_output("new_value" + i, dt, new, vp + skip)
+        self._bind_out("logits", logits)
+        for name, arr in got.items():
+            self._bind_out(tap_output_name(name), arr)
+        start = time.perf_counter()
+        self.session.run_with_iobinding(b)
+        self.last_run_s = time.perf_counter() - start
+        self.cache.length = p + t
+        return ForwardResult(logits=logits, taps=got)
+
+    def keep(self, start: int, rows: Sequence[int]) -> None:
+        """KVCache.keep's contract, on the layer-major view: only the accepted rows move, once."""
+        rows = list(rows)
+        length = self.cache.length
+        if start > length or any(r < start or r >= length for r in rows):
+            raise ValueError(f"keep({start}, {rows}) outside the {length} valid rows of '{self.cache.name}'")
+        n = len(rows)
+        if n and rows != list(range(start, start + n)):
+            idx = np.asarray(rows)
+            self.k[:, start:start + n] = self.k[:, idx]
+            self.v[:, start:start + n] = self.v[:, idx]
+        self.cache.length = start + n
+
+    def layer_kv(self, layer: int):
+        """(K, V) rows [0, cache_len) of one layer, each (cache_len, nkv, d): views, for tests and tools."""
+        return self.k[layer, :self.cache.length], self.v[layer, :self.cache.length]
+
+    def reset(self) -> None:
+        self.cache.reset()
