@@ -34,3 +34,13 @@ def test_onnx_session_greedy_output_equals_the_numpy_reference(onnx_bundle, draf
         b = onnx.generate(prompt, GenerationParams(max_tokens=20))
         assert a.token_ids == b.token_ids
         assert b.stats.backend == "onnx"
+
+
+def test_sampled_speculative_decoding_on_onnx_passes_certify(onnx_bundle):
+    """alpha = 0.001, 2000 draws, fixed seed: the exactness test of the verification issue on this backend."""
+    from runtime.certify import certify
+    from runtime.sampling import SamplingParams
+
+    session = Session.open(onnx_bundle, drafter="draft_model", backend="onnx", max_context=128)
+    (res,) = certify(session, PROMPTS[:1], SamplingParams(temperature=1.0), draws=2000, alpha=1e-3, seed=9)
+    assert res.passed, res
