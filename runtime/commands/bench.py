@@ -18,16 +18,17 @@ example:
   edgespec bench --drafters none,ngram,draft_model --max-tokens 64
 """
 
+# In the zoo's own vocabulary (rooms, objects, people its generators use), but not from its training set.
 BENCH_PROMPTS = {
     "planner": [planner_prompt(s) for s in (
-        "bring the red cup from the kitchen to the living room table",
-        "open the fridge in the kitchen and inspect the milk bottle",
-        "pick up two green apples from the pantry and hand them to alice",
-        "go to the bedroom, pick up the blue book and place it on the shelf",
+        "take the white hammer from the bathroom to Eve in the kitchen",
+        "store the screwdriver from the living room in the cabinet, then put the apple from the laundry room on the bed",
+        "give the red box from the workshop to Carol in the bedroom",
+        "take the plastic toy out of the fridge in the office and put it on the sink",
     )],
     "action": [action_prompt(s, o) for s, o in (
-        ("pick up the red block", [0.30, -0.10, 0.20, 0.00, 1.00, 0.45, 0.05, 0.02]),
-        ("push the green cube left", [0.25, 0.10, 0.15, 0.50, 0.80, 0.20, 0.15, 0.05]),
+        ("put down the white charger on the tray", [0.24, 0.23, 0.27, 0.39, 0.0, 0.38, 0.28, 0.02]),
+        ("lift the metal apple", [0.30, -0.26, 0.11, -0.03, 0.0, 0.30, -0.26, 0.05]),
     )],
     "text": [text_prompt(s) for s in ("To be, or not to be", "Now is the winter of our discontent")],
 }

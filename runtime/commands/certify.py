@@ -5,6 +5,7 @@ import argparse
 
 from runtime.certify import certify
 from runtime.commands.common import add_model_args, runtime_config
+from runtime.prompts import action_prompt, planner_prompt, text_prompt
 from runtime.sampling import SamplingParams
 from runtime.session import Session
 
@@ -19,9 +20,9 @@ example:
 """
 
 DEFAULT_CONTEXTS = [
-    "<|bos|><|plan|>bring the red cup from the kitchen to the table<|sep|>",
-    "<|bos|><|text|>To be, or not to be",
-    "<|bos|><|act|>pick up the blue block<|obs|>+0.10 -0.20 +0.30 +0.00 +1.00 +0.40 +0.10 +0.02<|sep|>",
+    planner_prompt("give the red box from the workshop to Carol in the bedroom"),
+    text_prompt("To be, or not to be"),
+    action_prompt("lift the metal apple", [0.30, -0.26, 0.11, -0.03, 0.0, 0.30, -0.26, 0.05]),
 ]
 
 
