@@ -14,6 +14,7 @@ import numpy as np
 from runtime import bundle as bundle_io
 from runtime.actions import ActionTokenizer
 from runtime.backends.factory import load_weights, open_model
+from runtime.blas import set_blas_threads
 from runtime.bundle import BackendFiles
 from runtime.config import BackendConfig, RuntimeConfig
 from runtime.drafters.base import Drafter
@@ -117,6 +118,8 @@ class Session:
 
     def __init__(self, config: RuntimeConfig):
         self.config = config
+        if config.backend.blas_threads:
+            set_blas_threads(config.backend.blas_threads)
         self.bundle = bundle_io.load(config.bundle)
         b = self.bundle
         self.tokenizer = Tokenizer(b.path(b.tokenizer))

@@ -102,6 +102,9 @@ class OnnxTarget:
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # ORT's pool threads spin after each run by default; between verify passes the drafter runs (numpy
+        # BLAS or another graph) and spinning threads would steal its cores.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
             self.session = ort.InferenceSession(model_path, opts, providers=list(providers))
         except Exception as exc:  # ORT raises its own Fail/InvalidGraph types
