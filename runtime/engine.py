@@ -29,7 +29,7 @@ class DecodeStats:
     tokens: int = 0  # tokens emitted (EOS excluded)
     target_forwards: int = 0  # prefill included
     cycles: int = 0  # verify forwards after the prefill
-    tau: float = 0.0  # mean tokens emitted per verify forward (accepted + 1); 1.0 = plain decoding
+    tau: float = 0.0  # mean accepted length: tokens per verify forward (accepted + 1); 1.0 = plain decoding
     acceptance_by_depth: List[float] = field(default_factory=list)  # P(accepted length >= d | drafted depth >= d)
     tokens_per_s: float = 0.0
     ttft_s: float = 0.0  # prefill + first token
@@ -102,6 +102,7 @@ class Engine:
         rng = np.random.default_rng([seed, 0])  # the target's own sampling / verification stream
         draft_rng = np.random.default_rng([seed, 1])
         stats = DecodeStats(drafter=self.drafter.kind if self.drafter else "none", backend=self.target.name)
+        emitted_by_cycles = 0  # accepted + 1 per cycle, before EOS / max_tokens cut the output
         depth_tried: List[int] = []
         depth_hit: List[int] = []
         t0 = time.perf_counter()
@@ -126,6 +127,7 @@ class Engine:
             cycle = self._cycle(context, params, rng, draft_rng, max_tokens - len(out), stats)
             stats.cycles += 1
             stats.target_forwards += 1
+            emitted_by_cycles += len(cycle["emitted"])
             tree_depth, accepted = cycle["drafted_depth"], cycle["accepted"]
             for d in range(1, tree_depth + 1):
                 while len(depth_tried) < d:
@@ -140,7 +142,7 @@ class Engine:
 
         stats.wall_s = time.perf_counter() - t0
         stats.tokens = len(out)
-        stats.tau = (len(out) - 1) / stats.cycles if stats.cycles else 0.0
+        stats.tau = emitted_by_cycles / stats.cycles if stats.cycles else 0.0
         stats.acceptance_by_depth = [h / n for h, n in zip(depth_hit, depth_tried)]
         stats.tokens_per_s = len(out) / stats.wall_s if stats.wall_s > 0 else 0.0
         stats.other_s = max(0.0, stats.wall_s - stats.prefill_s - stats.draft_s - stats.verify_s)

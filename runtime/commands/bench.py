@@ -50,7 +50,7 @@ def run_drafter(args, drafter: str, prompts: List[str]) -> Dict[str, object]:
     cfg = runtime_config(args)
     session = Session(replace(cfg, drafter=replace(cfg.drafter, kind=drafter)))
     params = GenerationParams(max_tokens=args.max_tokens)
-    agg = dict(tokens=0, wall=0.0, cycles=0, forwards=0, draft=0.0, verify=0.0, other=0.0, prefill=0.0)
+    agg = dict(tokens=0, wall=0.0, cycles=0, forwards=0, draft=0.0, verify=0.0, other=0.0, prefill=0.0, tau_sum=0.0)
     outputs = []
     session.generate(prompts[0], replace(params, max_tokens=4))  # warm-up (caches, allocations)
     for prompt in prompts:
@@ -64,6 +64,7 @@ def run_drafter(args, drafter: str, prompts: List[str]) -> Dict[str, object]:
         agg["tokens"] += s.tokens
         agg["wall"] += s.wall_s
         agg["cycles"] += s.cycles
+        agg["tau_sum"] += s.tau * s.cycles
         agg["forwards"] += s.target_forwards
         agg["draft"] += s.draft_s
         agg["verify"] += s.verify_s
@@ -90,7 +91,7 @@ def run(args) -> int:
         table.append({
             "drafter": name, "backend": r["backend"], "tokens": r["tokens"], "tokens_per_s": r["tokens"] / r["wall"],
             "speedup": (r["tokens"] / r["wall"]) / base_tps,
-            "tau": (r["tokens"] - len(prompts)) / cyc,
+            "tau": r["tau_sum"] / cyc,
             "ms_per_cycle": 1e3 * decode_wall / cyc, "draft_ms": 1e3 * r["draft"] / cyc,
             "verify_ms": 1e3 * r["verify"] / cyc, "other_ms": 1e3 * r["other"] / cyc,
             "memory_mib": r["memory_mib"], "identical_to_plain": r["outputs"] == base["outputs"],
