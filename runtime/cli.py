@@ -40,6 +40,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except EdgespecError as exc:
         print(f"edgespec {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
