@@ -20,7 +20,9 @@ example:
 """
 
 DEFAULT_CONTEXTS = [
-    planner_prompt("give the red box from the workshop to Carol in the bedroom"),
+    # Mid-plan, where the zoo is unsure which object comes next (a peaked context would test little).
+    planner_prompt("give the red box from the workshop to Carol in the bedroom")
+    + '[{"skill":"navigate","room":"workshop"},{"skill":"pick","object',
     text_prompt("To be, or not to be"),
     action_prompt("lift the metal apple", [0.30, -0.26, 0.11, -0.03, 0.0, 0.30, -0.26, 0.05]),
 ]
