@@ -51,6 +51,8 @@ def run(args) -> int:
         print(record["text"])
     else:
         print()
+    if args.plan is not None:
+        print(f"-- plan: {'valid' if res.plan_ok else 'INVALID: ' + res.plan_error}")
     s = res.stats
     print(f"-- {s.tokens} tokens, finish={res.finish_reason}, drafter={s.drafter}, backend={s.backend}")
     print(f"-- tau={s.tau:.2f} tokens/verify, target forwards={s.target_forwards}, {s.tokens_per_s:.1f} tokens/s, "
