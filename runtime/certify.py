@@ -16,6 +16,7 @@ import numpy as np
 
 from runtime.backends.base import ForwardResult
 from runtime.engine import Engine
+from runtime.layers import causal_mask
 from runtime.sampling import SamplingParams, process_logits
 from runtime.stat_tests import chi_square_gof
 
@@ -55,7 +56,7 @@ class MemoModel:
         tokens = [int(t) for t in tokens]
         base = len(self.rows)
         if mask is None:
-            mask = np.concatenate([np.ones((len(tokens), base), bool), np.tril(np.ones((len(tokens),) * 2, bool))], 1)
+            mask = causal_mask(base, len(tokens))
         seen = self.rows + tokens
         logits, tap_rows = [], {k: [] for k in taps}
         for j in range(len(tokens)):

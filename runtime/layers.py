@@ -74,6 +74,19 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> 
     return out.reshape(nkv, g, t, d).transpose(2, 0, 1, 3).reshape(t, nh * d)
 
 
+def decoder_layer_weight_names(p: str, spec: ModelSpec) -> list:
+    """The weights `decoder_layer` reads under prefix `p` for this family."""
+    names = [p + s for s in (
+        "input_layernorm.weight", "post_attention_layernorm.weight",
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")]
+    if spec.qkv_bias:
+        names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+    if spec.qk_norm:
+        names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+    return names
+
+
 def decoder_layer(
     w: Weights, p: str, spec: ModelSpec, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
     k_cache: np.ndarray, v_cache: np.ndarray, start: int, mask: np.ndarray,

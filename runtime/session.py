@@ -14,6 +14,7 @@ import numpy as np
 from runtime import bundle as bundle_io
 from runtime.actions import ActionTokenizer
 from runtime.backends.factory import load_weights, open_model
+from runtime.backends.numpy_ref import cache_shape
 from runtime.blas import set_blas_threads
 from runtime.bundle import BackendFiles
 from runtime.config import BackendConfig, RuntimeConfig
@@ -23,7 +24,7 @@ from runtime.drafters.mtp import MTPDrafter, mtp_cache_shape
 from runtime.drafters.ngram import NgramDrafter
 from runtime.engine import DecodeStats, Engine, StopCheck
 from runtime.errors import BundleError, RequestError
-from runtime.kv import CacheShape, KVArena
+from runtime.kv import KVArena
 from runtime.prompts import ACTION_CHUNK, EOS, action_prompt, parse_plan, plan_objects, planner_prompt
 from runtime.sampling import SamplingParams
 from runtime.tokenizer import StreamDecoder, Tokenizer
@@ -97,8 +98,7 @@ def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max
         files = files or BackendFiles(files=entry.files)
         if backend.kind != "numpy_ref" and backend.kind not in entry.backends:
             backend = replace(backend, kind="numpy_ref")  # no graph for this backend: run the draft in numpy
-        cache = arena.allocate("draft", CacheShape(entry.spec.num_layers, entry.spec.num_kv_heads, entry.spec.head_dim),
-                               max_positions)
+        cache = arena.allocate("draft", cache_shape(entry.spec), max_positions)
         model = open_model(bundle, entry.spec, files, backend, cache, label=f"drafter {name}")
         return DraftModelDrafter(model, num_tokens=num_tokens, branching=branching)
     if entry.kind == "mtp":
@@ -128,10 +128,10 @@ class Session:
         if name not in DRAFTER_CHOICES and name not in b.drafters:
             raise RequestError("drafter", f"unknown drafter {name!r}; choose one of "
                                           f"{sorted(set(DRAFTER_CHOICES) | set(b.drafters))}")
-        shapes = {"target": CacheShape(spec.num_layers, spec.num_kv_heads, spec.head_dim)}
+        shapes = {"target": cache_shape(spec)}
         entry = b.drafters.get(name)
         if entry is not None and entry.spec is not None:
-            shapes["draft"] = CacheShape(entry.spec.num_layers, entry.spec.num_kv_heads, entry.spec.head_dim)
+            shapes["draft"] = cache_shape(entry.spec)
         if entry is not None and entry.kind == "mtp":
             shapes["mtp"] = mtp_cache_shape(spec)
         positions = config.memory.max_context
@@ -145,8 +145,7 @@ class Session:
         # + drafted rows: a drafter's cache holds the context plus the branch it is drafting
         self.arena = KVArena.for_context(shapes, positions + 64, dtype=kv_dtype)
         cache = self.arena.allocate("target", shapes["target"], positions)
-        taps = ()
-        self.target = open_model(b, spec, files, config.backend, cache, taps)
+        self.target = open_model(b, spec, files, config.backend, cache)
         self.drafter = build_drafter(name, b, config.backend, self.arena, positions, config.drafter.num_tokens,
                                      config.drafter.branching, getattr(self.target, "w", None))
         self.drafter_kind = name

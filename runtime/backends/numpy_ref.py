@@ -12,7 +12,8 @@ import numpy as np
 from runtime.backends.base import ForwardResult, parse_tap
 from runtime.errors import BundleError
 from runtime.kv import CacheShape, KVCache
-from runtime.layers import causal_mask, decoder_layer, rms_norm, rope_cos_sin, rope_inv_freq
+from runtime.layers import (causal_mask, decoder_layer, decoder_layer_weight_names, rms_norm, rope_cos_sin,
+                            rope_inv_freq)
 from runtime.model_spec import ModelSpec
 
 
@@ -25,15 +26,7 @@ def required_weight_names(spec: ModelSpec) -> list:
     if not spec.tie_word_embeddings:
         names.append("lm_head.weight")
     for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        names += [p + s for s in (
-            "input_layernorm.weight", "post_attention_layernorm.weight",
-            "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-            "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")]
-        if spec.qkv_bias:
-            names += [p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"]
-        if spec.qk_norm:
-            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        names += decoder_layer_weight_names(f"model.layers.{i}.", spec)
     return names
 
 

@@ -16,14 +16,11 @@ import numpy as np
 from runtime.drafters.base import DraftContext, Drafter
 from runtime.errors import BundleError
 from runtime.kv import CacheShape, KVCache
-from runtime.layers import causal_mask, decoder_layer, rms_norm, rope_cos_sin, rope_inv_freq
+from runtime.layers import (causal_mask, decoder_layer, decoder_layer_weight_names, rms_norm, rope_cos_sin,
+                            rope_inv_freq)
 from runtime.model_spec import ModelSpec
 from runtime.sampling import process_logits, sample
 from runtime.tree import DraftTree, empty_tree
-
-LAYER_WEIGHTS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
-                 "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 
 
 def mtp_cache_shape(spec: ModelSpec) -> CacheShape:
@@ -38,11 +35,7 @@ class MTPDrafter(Drafter):
         n = spec.num_layers if layer_index is None else layer_index
         p = f"model.layers.{n}."
         names = [p + s for s in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")]
-        names += [p + s for s in LAYER_WEIGHTS]
-        if spec.qkv_bias:
-            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
-        if spec.qk_norm:
-            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        names += decoder_layer_weight_names(p, spec)
         missing = [k for k in names if k not in weights]
         if missing:
             raise BundleError(f"MTP module: missing weights {missing[:3]}; expected DeepSeek-V3 keys at {p}*")
