@@ -38,7 +38,7 @@ def register(sub) -> None:
     zsub = p.add_subparsers(dest="zoo_command", metavar="<build|report>")
     zsub.required = True
     b = zsub.add_parser("build", help="generate data, train tokenizer, target (+MTP) and draft; write the zoo",
-                        description="Runs the whole pipeline on the CPU (about 40 minutes; --quick: the same "
+                        description="Runs the whole pipeline on the CPU (about 55 minutes; --quick: the same "
                                     "pipeline at toy scale in under 3 minutes). Data, tokenizer, initialisation and "
                                     "batch order are fixed by the seed; each training stage stops at a step count or "
                                     "a wall-clock budget, whichever comes first (MANIFEST.yaml records the steps "

@@ -18,8 +18,14 @@ from typing import Optional
 import rclpy
 
 from edgespec_ros.client import EdgespecClient
+from runtime.prompts import planner_prompt
 
-PROMPT = "Explain in two sentences how a robot arm picks up a cup from a table."
+# Requests in the zoo's own domains (the zoo is a toy trained on generated planner / action data: phrasing outside
+# that grammar gets toy answers). Generate takes a raw prompt, so it carries the planner template itself.
+PLAN_INSTRUCTION = "move the red cup from the kitchen to the sink in the garage"
+ACTION_INSTRUCTION = "lift the metal apple"
+ACTION_OBSERVATION = [0.30, -0.26, 0.11, -0.03, 0.0, 0.30, -0.26, 0.05]  # ee x y z, ee yaw, gripper, goal x y z
+PROMPT = planner_prompt("give the blue mug from the office to Alice in the kitchen, then wait 5 seconds")
 
 
 def _stats_line(s) -> str:
@@ -53,8 +59,8 @@ def run_demo(spec_path: str, plain_path: Optional[str], max_tokens: int, timeout
 
     print("\n== Plan (service)")
     t0 = time.monotonic()
-    plan = spec.plan(instruction="Bring the red cup from the kitchen table to the sink.",
-                     context="Objects: red cup, sink, table. The robot is in the hallway.", max_tokens=96)
+    print(f"instruction: {PLAN_INSTRUCTION}")
+    plan = spec.plan(instruction=PLAN_INSTRUCTION, max_tokens=128)
     rtt = time.monotonic() - t0
     _check(plan, "plan")
     gen_s = plan.stats.tokens / plan.stats.tokens_per_s if plan.stats.tokens_per_s > 0 else 0.0
@@ -64,14 +70,14 @@ def run_demo(spec_path: str, plain_path: Optional[str], max_tokens: int, timeout
           f"{(rtt - gen_s) * 1e3:.1f} ms (queue {plan.stats.queue_s * 1e3:.1f} ms)")
 
     print("\n== ActionTokens (service)")
-    act = spec.action_tokens(instruction="pick up the red cup", observation_text="gripper open; cup 0.4 m ahead",
-                             num_actions=2)
+    print(f"instruction: {ACTION_INSTRUCTION}  observation: {ACTION_OBSERVATION}")
+    act = spec.action_tokens(instruction=ACTION_INSTRUCTION, observation=ACTION_OBSERVATION, num_actions=8)
     _check(act, "action_tokens")
     rows = [list(act.actions[i * act.action_dims:(i + 1) * act.action_dims]) for i in range(act.num_actions)]
     print(f"token ids: {list(act.token_ids)}\nactions ({act.num_actions} x {act.action_dims}): "
           f"{[[round(a, 3) for a in r] for r in rows]}\nfinish: {act.finish_reason}\nstats: {_stats_line(act.stats)}")
 
-    print("\n== Generate (action, streamed)")
+    print("\n== Generate (action, streamed): a planner prompt as raw text")
     print("> ", end="", flush=True)
     handle = spec.send_goal(lambda fb: print(fb.text_delta, end="", flush=True),
                             prompt=PROMPT, max_tokens=max_tokens, temperature=0.0)
