@@ -1,6 +1,7 @@
 """Zoo training puts its gradient where the planner must copy: prompt tokens weigh less, plan argument values more."""
+import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, models
 
 from export.zoo.loss_weights import SEP_ID, ValueMarkers, token_weights, value_mask
 
@@ -42,9 +43,5 @@ def test_weights_prompt_answer_values_and_prose():
 
 def test_markers_need_the_json_value_opener():
     tok = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
-    try:
+    with pytest.raises(ValueError, match='":"'):
         ValueMarkers.from_tokenizer(tok)
-    except ValueError as e:
-        assert '":"' in str(e)
-    else:
-        raise AssertionError("expected a ValueError")

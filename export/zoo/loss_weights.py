@@ -1,6 +1,6 @@
 """Per-token loss weights for zoo training: where the gradient should go.
 
-Two rules, both pure functions of the token ids of packed rows (B, T+1):
+Three rules, all pure functions of the token ids of packed rows (B, T+1):
 - prompt tokens (up to and including SEP) weigh `prompt_weight`: prompts are given at inference, so capacity
   goes to the answers;
 - inside a planner answer, the argument values of the JSON plan (`"room":"kitchen"`, `"object":"red cup"`,

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from export.zoo.action_data import action_text, split_actions
-from export.zoo.loss_weights import SEP_ID, ValueMarkers, token_weights, value_mask
+from export.zoo.loss_weights import ValueMarkers, prompt_and_answer, token_weights, value_mask
 from export.zoo.model import LlamaConfig, LlamaLM, load_hf, save_hf
 from export.zoo.planner_data import split_planner
 from export.zoo.text_data import load_works, split_text, training_corpus
@@ -379,8 +379,8 @@ def heldout_metrics(target: LlamaLM, draft: Optional[LlamaLM], data: Dict[str, l
             acc["loss"][0] += l.item(); acc["loss"][1] += int(m.sum())
             t_arg = logits.argmax(-1)  # (B, L)
             if markers is not None and d == "planner":
-                after_sep = torch.cumsum((ids == SEP_ID).long(), dim=1)[:, 1:] > 0
-                args = value_mask(ids, markers)[:, 1:] & after_sep & m
+                _, answer = prompt_and_answer(ids, torch.where(valid, 0, -1))  # one document per row
+                args = (value_mask(ids, markers) & answer)[:, 1:] & m
                 acc["args_acc"][0] += int(((t_arg[:, :-1] == ids[:, 1:]) & args).sum())
                 acc["args_acc"][1] += int(args.sum())
             if target.mtp is not None and ids.shape[1] > 2:

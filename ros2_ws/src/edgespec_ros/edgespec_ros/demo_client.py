@@ -58,8 +58,8 @@ def run_demo(spec_path: str, plain_path: Optional[str], max_tokens: int, timeout
     spec.wait_until_state("active", timeout_s)
 
     print("\n== Plan (service)")
-    t0 = time.monotonic()
     print(f"instruction: {PLAN_INSTRUCTION}")
+    t0 = time.monotonic()
     plan = spec.plan(instruction=PLAN_INSTRUCTION, max_tokens=128)
     rtt = time.monotonic() - t0
     _check(plan, "plan")
