@@ -1,18 +1,26 @@
 """Write a runtime bundle from HF checkpoints: the target (+ its MTP module if it has one), an optional
-separate draft model, the n-gram drafter (no files), the tokenizer and the generation defaults."""
+separate draft model, the n-gram drafter (no files), the tokenizer and the generation defaults.
+
+Nothing we did not write is ever deleted. The output directory must be new, empty, or an edgespec
+bundle holding only the files its manifest lists (replaced only with force=True); it may not be, hold
+or lie inside an input. The bundle is written into a temporary sibling and renamed into place, so a
+failed build leaves the old output as it was and a reader never sees half a bundle."""
 from __future__ import annotations
 
 import os
 import re
 import shutil
-from typing import Dict, Optional
+import tempfile
+from collections import Counter
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
+import yaml
 
 from export.hf_reader import read_hf_checkpoint
-from runtime.bundle import BundleWriter
+from runtime.bundle import MANIFEST, BundleWriter
 from runtime.errors import BundleError
-from runtime.tensors import write_safetensors
+from runtime.tensors import safetensors_dtypes, write_safetensors
 
 MTP_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -26,26 +34,108 @@ def split_mtp(weights: Dict[str, np.ndarray], num_layers: int):
     return body, mtp
 
 
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _files_under(root: str) -> List[str]:
+    return sorted(os.path.relpath(os.path.join(d, n), root).replace(os.sep, "/")
+                  for d, _, names in os.walk(root) for n in names)
+
+
+def check_output(out: str, inputs: Sequence[str], force: bool = False) -> None:
+    """Refuse an output directory whose replacement could lose data we did not write (see the module doc)."""
+    real_out = os.path.realpath(out)
+    for given in inputs:
+        real_in = os.path.realpath(given)
+        if _inside(real_in, real_out) or _inside(real_out, real_in):
+            how = "is" if real_in == real_out else ("holds" if _inside(real_in, real_out) else "lies inside")
+            raise BundleError(f"--out {out} {how} the input {given}; writing there could destroy the checkpoint. "
+                              "Choose an output directory outside every input")
+    if not os.path.lexists(out):
+        return
+    if not os.path.isdir(out) or os.path.islink(out):
+        raise BundleError(f"--out {out} exists and is not a directory; choose a new directory")
+    present = _files_under(out)
+    if not present:
+        return  # an empty directory holds nothing to lose
+    manifest = os.path.join(out, MANIFEST)
+    listed = None
+    try:
+        with open(manifest) as f:
+            m = yaml.safe_load(f)
+        if isinstance(m, dict) and "format_version" in m and isinstance(m.get("files"), dict):
+            listed = set(m["files"]) | {MANIFEST}
+    except (OSError, yaml.YAMLError):
+        pass
+    if listed is None:
+        raise BundleError(f"--out {out} is not empty and is not an edgespec bundle (it holds {present[:3]}"
+                          f"{' ...' if len(present) > 3 else ''}); edgespec never deletes what it did not write. "
+                          "Choose a new or empty directory")
+    foreign = [p for p in present if p not in listed]
+    if foreign:
+        raise BundleError(f"--out {out} is an edgespec bundle but also holds files its manifest does not list "
+                          f"({foreign[:3]}{' ...' if len(foreign) > 3 else ''}); edgespec never deletes what it did "
+                          "not write. Move them away, or choose a new directory")
+    if not force:
+        raise BundleError(f"--out {out} already holds a bundle; pass --force to replace it")
+
+
+def _publish(staged: str, out: str) -> None:
+    """Move the finished bundle `staged` to `out`, replacing what check_output allowed to be replaced."""
+    if not os.path.lexists(out):
+        os.rename(staged, out)
+        return
+    old = staged + ".old"
+    os.rename(out, old)  # rename(2) cannot replace a non-empty directory: swap, then drop the old one
+    try:
+        os.rename(staged, out)
+    except OSError:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old)
+
+
 def build_bundle(target_dir: str, out: str, draft_dir: Optional[str] = None, name: Optional[str] = None,
-                 default_drafter: Optional[str] = None, overwrite: bool = True) -> str:
-    """Write `out` as a numpy_ref bundle (other backends are added by their exporters). Returns `out`."""
+                 default_drafter: Optional[str] = None, force: bool = False,
+                 extend: Optional[Callable[[str], None]] = None) -> str:
+    """Write `out` as a numpy_ref bundle; `extend(staged_dir)` may add other backends' files before the
+    bundle is renamed into place. Returns `out`. Refuses outputs per `check_output`."""
+    check_output(out, [d for d in (target_dir, draft_dir) if d], force)
+    name = name or os.path.basename(os.path.normpath(os.path.abspath(out)))
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    staged = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.partial-", dir=parent)
+    try:
+        _write_bundle(target_dir, staged, draft_dir, name, default_drafter)
+        if extend is not None:
+            extend(staged)
+        os.chmod(staged, 0o755)  # mkdtemp makes it private; a bundle is read by other users (the ROS node)
+        _publish(staged, out)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)  # ours alone: nothing else was ever written there
+        raise
+    return out
+
+
+def _write_bundle(target_dir: str, out: str, draft_dir: Optional[str], name: str,
+                  default_drafter: Optional[str]) -> None:
     target = read_hf_checkpoint(target_dir)
     if target.tokenizer_file is None:
         raise BundleError(f"{target_dir}: no tokenizer.json; the bundle needs the tokenizer the model was trained with")
-    if overwrite and os.path.isdir(out):
-        shutil.rmtree(out)
-    w = BundleWriter(out, name or os.path.basename(os.path.normpath(out)))
+    w = BundleWriter(out, name)
     spec = target.spec
     body, mtp = split_mtp(target.weights, spec.num_layers)
     w.set_target(spec)
-    write_safetensors(w.path("target/model.safetensors"), body)
+    bf16 = target.bf16_names  # kept as bf16, bit for bit: never silently widened to twice the bytes
+    write_safetensors(w.path("target/model.safetensors"), body, bf16=[n for n in bf16 if n in body])
     w.add_target_backend("numpy_ref", ["target/model.safetensors"])
     shutil.copyfile(target.tokenizer_file, w.path("tokenizer.json"))
     w.set_tokenizer("tokenizer.json")
     w.add_drafter("ngram", "ngram", params={"max_n": 3, "min_n": 1})
     if mtp:
         modules = sorted({int(MTP_KEY.match(k).group(1)) for k in mtp})
-        write_safetensors(w.path("mtp/mtp.safetensors"), mtp)
+        write_safetensors(w.path("mtp/mtp.safetensors"), mtp, bf16=[n for n in bf16 if n in mtp])
         w.add_drafter("mtp", "mtp", files=["mtp/mtp.safetensors"],
                       params={"num_modules": len(modules), "first_layer_index": spec.num_layers,
                               "layout": "deepseek_v3"},
@@ -57,11 +147,36 @@ def build_bundle(target_dir: str, out: str, draft_dir: Optional[str] = None, nam
             raise BundleError(f"{draft_dir}: vocab size {draft.spec.vocab_size} differs from the target's "
                               f"{spec.vocab_size}; a draft model must share the target's tokenizer")
         dbody, _ = split_mtp(draft.weights, draft.spec.num_layers)
-        write_safetensors(w.path("draft/model.safetensors"), dbody)
+        write_safetensors(w.path("draft/model.safetensors"), dbody, bf16=[n for n in draft.bf16_names if n in dbody])
         w.add_drafter("draft_model", "draft_model", files=["draft/model.safetensors"], spec=draft.spec,
                       params={"num_tokens": 4})
         chosen = default_drafter or "draft_model"
+    if chosen not in w.manifest["drafters"] and chosen != "none":
+        raise BundleError(f"--default-drafter {chosen!r}: this bundle has drafters {sorted(w.manifest['drafters'])} "
+                          "(or 'none')")
     w.manifest["default_drafter"] = chosen
     w.set_generation(max_tokens=128, temperature=0.0)
     w.write()
-    return out
+
+
+_DTYPE_NAMES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64"}
+
+
+def dtype_summary(bundle_dir: str) -> List[str]:
+    """One line per safetensors file of a bundle: how many tensors of each dtype, and their bytes; tensors
+    in a dtype other than the file's main one are named (e.g. norms kept in fp32 beside bf16 matrices).
+    Example: 'target/model.safetensors: bf16 x 26 (0.3 MiB)'."""
+    lines = []
+    for rel in _files_under(bundle_dir):
+        if not rel.endswith(".safetensors"):
+            continue
+        dtypes = safetensors_dtypes(os.path.join(bundle_dir, rel))
+        counts = Counter(_DTYPE_NAMES.get(d, d.lower()) for d in dtypes.values())
+        main = counts.most_common(1)[0][0] if counts else ""
+        size = os.path.getsize(os.path.join(bundle_dir, rel)) / 2**20
+        line = f"{rel}: " + ", ".join(f"{d} x {n}" for d, n in counts.most_common()) + f" ({size:.1f} MiB)"
+        others = [n for n, d in sorted(dtypes.items()) if _DTYPE_NAMES.get(d, d.lower()) != main]
+        if others:
+            line += f"; not {main}: {', '.join(others[:8])}{' ...' if len(others) > 8 else ''}"
+        lines.append(line)
+    return lines

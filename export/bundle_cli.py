@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from runtime.errors import ConfigError
+
 HELP = """Build a bundle from HF model directories (config.json + safetensors; Llama, Qwen2 or Qwen3).
 
 The target's MTP module (DeepSeek-V3 keys at model.layers.N) becomes the bundle's `mtp` drafter, a
@@ -15,30 +17,43 @@ examples:
 """
 
 
+BACKENDS = ("numpy_ref", "onnx")
+
+
 def register(sub) -> None:
     p = sub.add_parser("bundle", help="build a bundle from HF checkpoint directories",
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, metavar="DIR", help="HF directory of the target model")
     p.add_argument("--draft", metavar="DIR", help="HF directory of a separate draft model (same tokenizer)")
-    p.add_argument("--out", required=True, metavar="DIR", help="bundle directory to write (replaced if it exists)")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="bundle directory to write: new or empty (an existing bundle is replaced only with "
+                        "--force; a directory holding anything else is refused); never an input or inside one")
+    p.add_argument("--force", action="store_true", help="replace the edgespec bundle already at --out")
     p.add_argument("--backends", default="numpy_ref", help="comma-separated: numpy_ref (always), onnx")
     p.add_argument("--default-drafter", help="drafter used when a request names none (default: draft_model if given)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from export.bundle_builder import build_bundle
+    from export.bundle_builder import build_bundle, dtype_summary
 
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if not backends or any(b not in BACKENDS for b in backends):
+        raise ConfigError(f"--backends: got {args.backends!r}, expected a comma-separated list of {list(BACKENDS)}")
     t0 = time.perf_counter()
-    out = build_bundle(args.target, args.out, args.draft, default_drafter=args.default_drafter)
-    print(f"bundle: wrote {out} (numpy_ref) in {time.perf_counter() - t0:.1f} s")
-    backends = [b.strip() for b in args.backends.split(",") if b.strip() and b.strip() != "numpy_ref"]
-    for backend in backends:
-        if backend != "onnx":
-            raise SystemExit(f"bundle: backend {backend!r} cannot be exported here (onnx only)")
-        from export.onnx import add_onnx_to_bundle
 
-        t1 = time.perf_counter()
-        files = add_onnx_to_bundle(out, "fp32", None, validate=True)
-        print(f"bundle: added {', '.join(files)} in {time.perf_counter() - t1:.1f} s")
+    def add_backends(staged: str) -> None:
+        print(f"bundle: wrote the numpy_ref bundle in {time.perf_counter() - t0:.1f} s")
+        if "onnx" in backends:
+            from export.onnx import add_onnx_to_bundle
+
+            t1 = time.perf_counter()
+            files = add_onnx_to_bundle(staged, "fp32", None, validate=True)
+            print(f"bundle: added {', '.join(files)} in {time.perf_counter() - t1:.1f} s")
+
+    out = build_bundle(args.target, args.out, args.draft, default_drafter=args.default_drafter, force=args.force,
+                       extend=add_backends)
+    print(f"bundle: {out} ready ({', '.join(sorted(set(backends) | {'numpy_ref'}))}); tensor dtypes as stored:")
+    for line in dtype_summary(out):
+        print(f"  {line}")
     return 0
