@@ -9,17 +9,29 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 import yaml
 
+from runtime.errors import REBUILD_BUNDLE as REBUILD
 from runtime.errors import BundleError
 from runtime.model_spec import ModelSpec
+from runtime.tensors import safetensors_dtypes
 
 FORMAT_VERSION = 1
 MANIFEST = "bundle.yaml"
 DATA_SUFFIXES = (".safetensors", ".onnx", ".onnx.data", ".gguf", ".engine", ".plan", ".json", ".yaml", ".txt")
+EXPORTABLE = ("onnx",)  # backends `edgespec export --to` writes
+# Keys a manifest may have, per level: anything else is a typo or a newer format, refused by name.
+MANIFEST_KEYS = ("format_version", "name", "target", "drafters", "default_drafter", "tokenizer", "generation", "files")
+TARGET_KEYS = ("spec", "backends")
+DRAFTER_KEYS = ("kind", "files", "params", "target_taps", "spec", "backends")
+BACKEND_KEYS = ("files", "params")
+FILE_KEYS = ("sha256", "size")
+LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 DRAFTER_KINDS = ("ngram", "draft_model", "mtp", "medusa", "eagle", "eagle3", "dflash", "dflash2")
 
 
@@ -75,8 +87,10 @@ class Bundle:
 
     def target_files(self, backend: str) -> BackendFiles:
         if backend not in self.target.backends:
+            how = (f"Export it with `edgespec export --to {backend} --bundle {self.root}`." if backend in EXPORTABLE
+                   else f"edgespec cannot export for {backend!r} yet (exporters: {', '.join(EXPORTABLE)}).")
             raise BundleError(f"{self.root}: the target has no files for backend {backend!r}; it has "
-                              f"{sorted(self.target.backends)}. Export it with `edgespec export --to {backend}`.")
+                              f"{sorted(self.target.backends)}. {how}")
         return self.target.backends[backend]
 
 
@@ -92,28 +106,63 @@ def _backends(d: Dict[str, Any]) -> Dict[str, BackendFiles]:
     return {k: BackendFiles(files=tuple(v.get("files", ())), params=dict(v.get("params", {}))) for k, v in (d or {}).items()}
 
 
+def _known_keys(manifest: str, where: str, d: Any, allowed: Tuple[str, ...]) -> Dict[str, Any]:
+    """`d`, checked to be a mapping whose keys are all `allowed`; else a BundleError naming the key."""
+    _mapping(manifest, where, d)
+    unknown = sorted(set(d) - set(allowed))
+    if unknown:
+        raise BundleError(f"{manifest}: {where + '.' if where else ''}{unknown[0]}: unknown key; expected one of "
+                          f"{sorted(allowed)} (a typo, or a bundle from a newer edgespec); {REBUILD}")
+    return d
+
+
+def _mapping(manifest: str, where: str, d: Any, optional: bool = False) -> Dict[str, Any]:
+    if optional and d is None:
+        return {}
+    if not isinstance(d, dict):
+        raise BundleError(f"{manifest}: {where}: got {d!r}, expected a mapping; {REBUILD}")
+    return d
+
+
+def _check_keys(manifest: str, m: Dict[str, Any]) -> None:
+    """Every key of the manifest is one this runtime reads (nothing is ignored silently)."""
+    _known_keys(manifest, "", m, MANIFEST_KEYS)
+    target = _known_keys(manifest, "target", m.get("target"), TARGET_KEYS)
+    for kind, b in _mapping(manifest, "target.backends", target.get("backends"), True).items():
+        _known_keys(manifest, f"target.backends.{kind}", b, BACKEND_KEYS)
+    for name, d in _mapping(manifest, "drafters", m.get("drafters"), True).items():
+        _known_keys(manifest, f"drafters.{name}", d, DRAFTER_KEYS)
+        for kind, b in _mapping(manifest, f"drafters.{name}.backends", d.get("backends"), True).items():
+            _known_keys(manifest, f"drafters.{name}.backends.{kind}", b, BACKEND_KEYS)
+    for rel, e in _mapping(manifest, "files", m.get("files"), True).items():
+        _known_keys(manifest, f"files.{rel}", e, FILE_KEYS)
+
+
 def load(path: str, verify_checksums: bool = True) -> Bundle:
     """Read and check a bundle directory. Raises BundleError naming what is wrong and what to do."""
     manifest = os.path.join(path, MANIFEST)
     if not os.path.isdir(path):
-        raise BundleError(f"{path}: no such bundle directory; build one with `make bundles` or `edgespec export`")
+        raise BundleError(f"{os.path.abspath(path)}: no such bundle directory; build one with `edgespec bundle "
+                          "--target DIR --out DIR` (the zoo: `make bundles`)")
     if not os.path.isfile(manifest):
-        raise BundleError(f"{manifest}: missing; this directory is not a bundle (re-run `edgespec export`)")
+        raise BundleError(f"{manifest}: missing; this directory is not a bundle ({REBUILD})")
     try:
         with open(manifest) as f:
             m = yaml.safe_load(f)
     except yaml.YAMLError as exc:
-        raise BundleError(f"{manifest}: not valid YAML ({exc}); re-run `edgespec export`") from exc
+        raise BundleError(f"{manifest}: not valid YAML ({exc}); {REBUILD}") from exc
     if not isinstance(m, dict):
         raise BundleError(f"{manifest}: expected a mapping at the top level")
     version = m.get("format_version")
     if type(version) is not int or version != FORMAT_VERSION:
         raise BundleError(f"{manifest}: format_version {version!r} is not supported by this runtime "
                           f"(expected {FORMAT_VERSION}); re-export the bundle with a matching edgespec")
+    _check_keys(manifest, m)
     try:
         files = {p: FileEntry(p, e["sha256"], int(e["size"])) for p, e in (m.get("files") or {}).items()}
         t = m["target"]
-        target = TargetEntry(spec=ModelSpec.from_dict(t["spec"]), backends=_backends(t.get("backends")))
+        target = TargetEntry(spec=ModelSpec.from_dict(t["spec"], f"{manifest}: target.spec"),
+                             backends=_backends(t.get("backends")))
         drafters = {}
         for name, d in (m.get("drafters") or {}).items():
             if d.get("kind") not in DRAFTER_KINDS:
@@ -121,15 +170,34 @@ def load(path: str, verify_checksums: bool = True) -> Bundle:
             drafters[name] = DrafterEntry(
                 kind=d["kind"], files=tuple(d.get("files", ())), params=dict(d.get("params") or {}),
                 target_taps=tuple(d.get("target_taps", ())),
-                spec=ModelSpec.from_dict(d["spec"]) if d.get("spec") else None,
+                spec=ModelSpec.from_dict(d["spec"], f"{manifest}: drafters.{name}.spec") if d.get("spec") else None,
                 backends=_backends(d.get("backends")))
         bundle = Bundle(root=path, name=str(m.get("name", os.path.basename(path))), target=target, drafters=drafters,
                         default_drafter=str(m.get("default_drafter", "none")), tokenizer=str(m["tokenizer"]),
                         generation=dict(m.get("generation") or {}), files=files, format_version=version)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise BundleError(f"{manifest}: malformed manifest ({exc!r}); re-run `edgespec export`") from exc
+        raise BundleError(f"{manifest}: malformed manifest ({exc!r}); {REBUILD}") from exc
     _check_files(bundle, verify_checksums)
+    _check_layers(bundle, manifest)
     return bundle
+
+
+def _check_layers(bundle: Bundle, manifest: str) -> None:
+    """The spec's num_layers matches the decoder layers its safetensors hold (read from the headers)."""
+    models = [("target.spec", bundle.target.spec, bundle.target.backends.get("numpy_ref"))]
+    models += [(f"drafters.{n}.spec", d.spec, BackendFiles(d.files)) for n, d in bundle.drafters.items()
+               if d.kind == "draft_model" and d.spec is not None]
+    for where, spec, files in models:
+        names = [rel for rel in (files.files if files else ()) if rel.endswith(".safetensors")]
+        if not names:
+            continue
+        layers = set()
+        for rel in names:
+            layers |= {int(m.group(1)) for m in map(LAYER_KEY.match, safetensors_dtypes(bundle.path(rel))) if m}
+        if layers != set(range(spec.num_layers)):
+            held = f"layers 0..{max(layers)}" if layers == set(range(len(layers))) else f"layers {sorted(layers)}"
+            raise BundleError(f"{manifest}: {where}.num_layers is {spec.num_layers}, but {', '.join(names)} hold "
+                              f"{held}; the manifest does not describe its files ({REBUILD})")
 
 
 def _referenced(bundle: Bundle):
@@ -146,7 +214,7 @@ def _referenced(bundle: Bundle):
 def _check_files(bundle: Bundle, verify_checksums: bool) -> None:
     for rel in _referenced(bundle):
         if rel not in bundle.files:
-            raise BundleError(f"{bundle.root}: {rel} is used but has no checksum in {MANIFEST}; re-run `edgespec export`")
+            raise BundleError(f"{bundle.root}: {rel} is used but has no checksum in {MANIFEST}; {REBUILD}")
     root = os.path.realpath(bundle.root)
     for rel, entry in bundle.files.items():
         full = bundle.path(rel)
@@ -226,6 +294,23 @@ class BundleWriter:
                 files[rel] = {"sha256": sha256_of(full), "size": os.path.getsize(full)}
         self.manifest["files"] = dict(sorted(files.items()))
         out = os.path.join(self.root, MANIFEST)
-        with open(out, "w") as f:
-            yaml.safe_dump(self.manifest, f, sort_keys=False)
+        write_atomically(out, yaml.safe_dump(self.manifest, sort_keys=False))
         return out
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Replace `path` by a new file holding `text`: written to a temporary file beside it, then renamed.
+    A reader sees the old file or the new one, never half of one; and a hard link to the old file (a
+    `cp -al` copy of the bundle) keeps the old content instead of being changed through the link."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(path) or ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

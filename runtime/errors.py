@@ -2,6 +2,10 @@
 so that a robot operator can act on it without reading the code."""
 
 
+# What a message says when a bundle's manifest is wrong: the command that writes a bundle from checkpoints.
+REBUILD_BUNDLE = "rebuild it with `edgespec bundle --target DIR --out DIR` (the zoo: `make bundles`)"
+
+
 class EdgespecError(Exception):
     """Base of every error edgespec raises on purpose."""
 

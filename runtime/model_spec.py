@@ -53,11 +53,26 @@ class ModelSpec:
         return d
 
     @staticmethod
-    def from_dict(d: Dict[str, Any]) -> "ModelSpec":
-        d = dict(d)
-        d["rope_scaling"] = RopeScaling(**d.get("rope_scaling", {}))
-        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
-        return ModelSpec(**d)
+    def from_dict(d: Dict[str, Any], source: str = "spec") -> "ModelSpec":
+        """The spec a manifest records, with every key, type and size checked: a BundleError names the key,
+        the value and what was expected (`num_layers: "eight"` is refused here, not deep in a forward)."""
+        from runtime.config import from_dict  # typed loading, shared with the runtime YAML
+        from runtime.errors import REBUILD_BUNDLE, ConfigError
+
+        try:
+            spec = from_dict(ModelSpec, d, source=source)
+        except ConfigError as exc:
+            raise BundleError(f"{exc}; {REBUILD_BUNDLE}") from None
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size"):
+            if getattr(spec, name) < 1:
+                raise BundleError(f"{source}: {name}: got {getattr(spec, name)!r}, expected an integer >= 1")
+        if spec.family not in FAMILIES:
+            raise BundleError(f"{source}: family: got {spec.family!r}, expected one of {list(FAMILIES)}")
+        if spec.num_heads % spec.num_kv_heads:
+            raise BundleError(f"{source}: num_heads {spec.num_heads} is not a multiple of num_kv_heads "
+                              f"{spec.num_kv_heads}")
+        return spec
 
     @staticmethod
     def from_hf_config(cfg: Dict[str, Any], source: str = "config.json") -> "ModelSpec":

@@ -141,7 +141,7 @@ def test_a_used_file_without_a_checksum_is_refused(tiny_bundle, tmp_path):
 
 
 def test_a_missing_bundle_directory_or_manifest_says_how_to_build_one(tmp_path):
-    with pytest.raises(BundleError, match="no such bundle directory"):
+    with pytest.raises(BundleError, match=r"no such bundle directory; build one with `edgespec bundle --target DIR"):
         bundle_io.load(str(tmp_path / "nowhere"))
     with pytest.raises(BundleError, match=r"bundle\.yaml: missing; this directory is not a bundle"):
         bundle_io.load(str(tmp_path))
@@ -208,17 +208,73 @@ def _no_target(m):
     del m["target"]
 
 
-@pytest.mark.parametrize("mutate", [
-    _spec_with_unknown_key, _no_target,
-    _files_as_list, _drafter_as_string, _backend_as_list,
+def _num_layers_as_word(m):
+    m["target"]["spec"]["num_layers"] = "eight"
+
+
+def _unknown_top_level_key(m):
+    m["defualt_drafter"] = "ngram"
+
+
+def _unknown_drafter_key(m):
+    m["drafters"]["draft_model"]["taps"] = []
+
+
+@pytest.mark.parametrize("mutate,where", [
+    (_spec_with_unknown_key, "target.spec: num_experts: unknown key"),
+    (_no_target, "target: got None, expected a mapping"),
+    (_files_as_list, "files: got ["),
+    (_drafter_as_string, "drafters.ngram: got 'ngram', expected a mapping"),
+    (_backend_as_list, "target.backends.numpy_ref: got ["),
+    (_num_layers_as_word, "target.spec: num_layers: got 'eight', expected an integer"),
+    (_unknown_top_level_key, "defualt_drafter: unknown key"),
+    (_unknown_drafter_key, "drafters.draft_model.taps: unknown key"),
 ])
-def test_a_malformed_manifest_is_a_bundle_error_saying_re_export(tiny_bundle, tmp_path, mutate):
+def test_a_malformed_manifest_is_a_bundle_error_naming_the_key_and_how_to_rebuild(tiny_bundle, tmp_path, mutate,
+                                                                                  where):
+    """Never a TypeError deep in a forward pass, never a key ignored silently: the key at fault, by name."""
     root = copy_bundle(tiny_bundle, tmp_path)
     m = read_manifest(root)
     mutate(m)
     write_manifest(root, m)
-    with pytest.raises(BundleError, match=r"bundle\.yaml: malformed manifest .*re-run `edgespec export`"):
+    with pytest.raises(BundleError) as exc:
         bundle_io.load(root)
+    msg = str(exc.value)
+    assert f"bundle.yaml: {where}" in msg and "`edgespec bundle --target DIR --out DIR`" in msg, msg
+
+
+@pytest.mark.parametrize("layers", [9, 7, 0])
+def test_a_layer_count_that_does_not_match_the_weights_is_refused_at_load(tiny_bundle, tmp_path, layers):
+    root = copy_bundle(tiny_bundle, tmp_path)
+    m = read_manifest(root)
+    m["target"]["spec"]["num_layers"] = layers
+    write_manifest(root, m)
+    with pytest.raises(BundleError, match=rf"target\.spec\.num_layers.*{layers}|num_layers: got {layers}"):
+        bundle_io.load(root)
+
+
+def test_a_draft_layer_count_that_does_not_match_its_weights_is_refused(tiny_bundle, tmp_path):
+    root = copy_bundle(tiny_bundle, tmp_path)
+    m = read_manifest(root)
+    m["drafters"]["draft_model"]["spec"]["num_layers"] = 2
+    write_manifest(root, m)
+    with pytest.raises(BundleError, match=r"drafters\.draft_model\.spec\.num_layers is 2, but "
+                                          r"draft/model\.safetensors hold layers 0\.\.0"):
+        bundle_io.load(root)
+
+
+def test_the_manifest_is_replaced_atomically_so_a_hard_linked_copy_keeps_its_own(tiny_bundle, tmp_path):
+    """`cp -al` copies of a bundle share inodes: rewriting bundle.yaml in place would change the copy too."""
+    root = copy_bundle(tiny_bundle, tmp_path)
+    link = str(tmp_path / "linked.yaml")
+    os.link(os.path.join(root, MANIFEST), link)
+    before = open(link).read()
+    w = BundleWriter.extend(root)
+    w.set_generation(max_tokens=7)
+    w.write()
+    assert open(link).read() == before
+    assert bundle_io.load(root).generation["max_tokens"] == 7
+    assert not [n for n in os.listdir(root) if n.endswith(".tmp")], "no temporary file is left behind"
 
 
 # ---------------------------------------------------------------------------------------------- no pickles
@@ -303,9 +359,18 @@ def test_asking_for_a_drafter_the_bundle_lacks_lists_the_ones_it_has(tiny_bundle
 
 def test_asking_for_a_backend_the_target_lacks_lists_the_ones_it_has_and_how_to_export(tiny_bundle):
     b = bundle_io.load(tiny_bundle)
+    with pytest.raises(BundleError, match=r"no files for backend 'onnx'") as exc:
+        b.target_files("onnx")
+    assert "['numpy_ref']" in str(exc.value)
+    assert f"`edgespec export --to onnx --bundle {tiny_bundle}`" in str(exc.value)
+
+
+def test_a_backend_without_an_exporter_is_not_pointed_at_a_command_that_does_not_exist(tiny_bundle):
+    b = bundle_io.load(tiny_bundle)
     with pytest.raises(BundleError, match=r"no files for backend 'tensorrt'") as exc:
         b.target_files("tensorrt")
-    assert "['numpy_ref']" in str(exc.value) and "edgespec export --to tensorrt" in str(exc.value)
+    assert "cannot export for 'tensorrt' yet (exporters: onnx)" in str(exc.value)
+    assert "--to tensorrt" not in str(exc.value)  # `edgespec export` refuses it
 
 
 # ---------------------------------------------------------------------------------------------- HF reader

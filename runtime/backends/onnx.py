@@ -43,6 +43,11 @@ def _import_ort():
     return onnxruntime
 
 
+def _bundle_of(model_path: str) -> str:
+    """The bundle directory of a graph at <bundle>/onnx/<name>.onnx (for the commands messages suggest)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(model_path)))
+
+
 def tap_output_name(tap: str) -> str:
     """'layer_in.3' -> 'tap_layer_in_3' (the graph's output name for a hidden tap)."""
     return "tap_" + tap.replace(".", "_")
@@ -93,7 +98,8 @@ class OnnxTarget:
                                    f"({ort.__version__}: {available}); {_INSTALL_HINT.get(p, 'install an onnxruntime build with it')}, "
                                    "or configure providers: [CPUExecutionProvider]")
         if not os.path.isfile(model_path):
-            raise BackendError(f"{model_path}: no such ONNX graph; export it with `edgespec export --to onnx`")
+            raise BackendError(f"{model_path}: no such ONNX graph; export it with "
+                               f"`edgespec export --to onnx --bundle {_bundle_of(model_path)}`")
         self.spec = spec
         self.cache = cache
         self.model_path = model_path
@@ -113,7 +119,12 @@ class OnnxTarget:
         inputs = {i.name: i for i in self.session.get_inputs()}
         if "past_key_0" not in inputs:
             raise BackendError(f"{model_path}: the graph has no per-layer inputs past_key_i (an older export?); "
-                               "re-export it with `edgespec export --to onnx`")
+                               f"re-export it with `edgespec export --to onnx --bundle {_bundle_of(model_path)}`")
+        graph_layers = sum(1 for n in inputs if n.startswith("past_key_"))
+        if graph_layers != spec.num_layers:
+            raise BackendError(f"{model_path}: the graph has {graph_layers} layers, the bundle's spec says "
+                               f"{spec.num_layers}; re-export it with "
+                               f"`edgespec export --to onnx --bundle {_bundle_of(model_path)}`")
         self.kv_dtype = np.dtype(_ORT_DTYPES[inputs["past_key_0"].type])
         if cache.k.dtype != self.kv_dtype:
             raise BackendError(f"{model_path}: the graph's K/V are {self.kv_dtype}, the KV arena is {cache.k.dtype}; "
@@ -163,7 +174,8 @@ class OnnxTarget:
         for name in taps:
             if name not in self.tap_names:
                 raise BackendError(f"tap {name!r} was not exported in {self.model_path} (it has {list(self.tap_names)}); "
-                                   "re-export with `edgespec export --to onnx --taps ...`")
+                                   f"re-export with `edgespec export --to onnx --bundle {_bundle_of(self.model_path)} "
+                                   f"--taps {' '.join(sorted(set(self.tap_names) | {name}))}`")
         if mask is None:
             add_mask = causal_additive_mask(p, t)
         else:
