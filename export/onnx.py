@@ -314,6 +314,7 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
     if not weights:
         raise BundleError(f"{bundle_dir}: the numpy_ref target lists no .safetensors files to export from")
     writer = bundle_mod.BundleWriter.extend(bundle_dir)
+    before = _listed_backend_files(writer.manifest)
     rel = f"onnx/target.{precision}.onnx"
     export_target_onnx(b.target.spec, weights, os.path.join(bundle_dir, rel), taps, precision)
     if validate:
@@ -333,5 +334,19 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
             validate_onnx(d.spec, dw, os.path.join(bundle_dir, drel), (), precision)
         writer.add_drafter_backend(name, "onnx", [drel, drel + ".data"], {"precision": precision, "taps": [], "kv_layout": KV_LAYOUT})
         written += [drel, drel + ".data"]
+    # One ONNX entry per model: the files of the entry just replaced (another precision) are removed, as
+    # the manifest listed them, so that no orphan graph is left on disk. Nothing unlisted is touched.
+    listed = set(writer.manifest.get("files") or {})
+    for stale in sorted((before - _listed_backend_files(writer.manifest)) & listed):
+        os.remove(os.path.join(bundle_dir, stale))
+        print(f"{bundle_dir}/{stale}: removed (replaced by the {precision} export)")
     writer.write()
     return tuple(written)
+
+
+def _listed_backend_files(manifest: Mapping) -> set:
+    """Every file a target or drafter backend entry of a manifest names."""
+    entries = list((manifest["target"].get("backends") or {}).values())
+    for d in (manifest.get("drafters") or {}).values():
+        entries += list((d.get("backends") or {}).values())
+    return {f for e in entries for f in e.get("files", ())}

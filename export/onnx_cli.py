@@ -16,7 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "to it and bundle.yaml is rewritten with their checksums")
     p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
                    help="fp32 (default; matches the numpy reference within 1e-4) or fp16 (weights, "
-                        "activations and KV cache in float16; norms/softmax in float32)")
+                        "activations and KV cache in float16; norms/softmax in float32). A bundle holds one ONNX "
+                        "entry per model: exporting the other precision replaces it and removes its files")
     p.add_argument("--taps", nargs="+", metavar="TAP", default=None,
                    help="hidden states to export as extra outputs: final_norm, layer_in.I, layer_out.I. "
                         "Default: every tap the bundle's drafters read, plus final_norm")

@@ -268,3 +268,25 @@ def test_the_robot_side_never_imports_torch():
     code = ("import sys, runtime.backends.onnx, runtime.bench_backend; "
             "sys.exit(int(any(m in sys.modules for m in ('torch', 'transformers', 'export'))))")
     assert subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__))).returncode == 0
+
+
+def test_exporting_another_precision_replaces_the_entry_and_leaves_no_orphan_file(tiny_bundle, tmp_path, capsys):
+    """One ONNX entry per model: fp16 after fp32 removes the fp32 graphs the manifest listed, so every file
+    on disk is one the manifest lists, and the session runs the fp16 graphs."""
+    import shutil
+
+    from runtime.cli import main
+    from runtime.session import GenerationParams, Session
+
+    root = str(tmp_path / "bundle")
+    shutil.copytree(tiny_bundle, root)
+    assert main(["export", "--to", "onnx", "--bundle", root, "--no-validate"]) == 0
+    assert main(["export", "--to", "onnx", "--bundle", root, "--precision", "fp16", "--no-validate"]) == 0
+    assert "onnx/target.fp32.onnx: removed (replaced by the fp16 export)" in capsys.readouterr().out
+    b = bundle_mod.load(root)
+    on_disk = {os.path.relpath(os.path.join(d, n), root) for d, _, ns in os.walk(root) for n in ns}
+    assert on_disk == set(b.files) | {"bundle.yaml"}, "no orphan files"
+    assert b.target_files("onnx").params["precision"] == "fp16"
+    assert not any("fp32" in f for f in b.files)
+    s = Session.open(root, drafter="draft_model", backend="onnx", max_context=64)
+    assert s.generate("<|bos|><|text|>the robot", GenerationParams(max_tokens=4)).stats.backend == "onnx"
