@@ -89,13 +89,14 @@ def plan_to_json(steps: List[Dict[str, Any]]) -> str:
 
 
 def parse_plan(text: str) -> List[Dict[str, Any]]:
-    """Parse and validate a plan: a JSON list of {"skill": name, <required args>...}.
+    """Parse and validate a plan: a JSON list of {"skill": name, <required args>...}, each key once, and a
+    `count` (if any) an integer >= 1.
 
     An EOS token (and anything after it) is stripped first. Raises RequestError(field="plan") naming the problem.
     """
     body = text.split(EOS, 1)[0].strip()
     try:
-        steps = json.loads(body)
+        steps = json.loads(body, object_pairs_hook=_no_duplicate_keys)
     except json.JSONDecodeError as exc:
         raise RequestError("plan", f"is not valid JSON ({exc.msg} at char {exc.pos}): {body[:80]!r}") from None
     if not isinstance(steps, list) or not steps:
@@ -109,7 +110,20 @@ def parse_plan(text: str) -> List[Dict[str, Any]]:
         missing = [a for a in SKILLS[skill] if a not in step]
         if missing:
             raise RequestError("plan", f"step {i} ({skill}) lacks argument(s) {missing}")
+        count = step.get("count", 1)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise RequestError("plan", f"step {i} ({skill}) has count {count!r}; a count is an integer >= 1")
     return steps
+
+
+def _no_duplicate_keys(pairs: List[tuple]) -> Dict[str, Any]:
+    """A JSON object, refused when a key repeats: json.loads would keep the last value silently, so
+    {"skill":"pick","object":"cup","object":"knife"} would pass as a plan to pick a knife."""
+    keys = [k for k, _ in pairs]
+    dup = next((k for k in keys if keys.count(k) > 1), None)
+    if dup is not None:
+        raise RequestError("plan", f"an object repeats the key {dup!r} ({dict(pairs)!r} is ambiguous)")
+    return dict(pairs)
 
 
 def plan_objects(steps: List[Dict[str, Any]]) -> set:

@@ -42,8 +42,20 @@ def test_parse_plan_accepts_a_valid_plan_and_strips_eos():
     ('[{"room":"kitchen"}]', "'skill'"),
     ('[{"skill":"fly","to":"moon"}]', "unknown skill"),
     ('[{"skill":"place","object":"cup"}]', "lacks argument"),
+    ('[{"skill":"pick","object":"cup","object":"knife"}]', "repeats the key 'object'"),
+    ('[{"skill":"pick","skill":"place","object":"cup","target":"table"}]', "repeats the key 'skill'"),
+    ('[{"skill":"pick","object":"cup","count":"3"}]', "count '3'; a count is an integer >= 1"),
+    ('[{"skill":"pick","object":"cup","count":0}]', "count 0"),
+    ('[{"skill":"pick","object":"cup","count":true}]', "count True"),
+    ('[{"skill":"pick","object":"cup","count":2.5}]', "count 2.5"),
 ])
 def test_parse_plan_names_the_problem(text, fragment):
+    """Duplicate keys would otherwise keep the last value silently; a count must be a positive integer."""
     with pytest.raises(RequestError) as e:
         parse_plan(text)
     assert e.value.field == "plan" and fragment in str(e.value)
+
+
+def test_parse_plan_accepts_an_integer_count():
+    steps = [{"skill": "pick", "object": "cup", "count": 3}]
+    assert parse_plan(plan_to_json(steps)) == steps
