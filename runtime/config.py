@@ -33,7 +33,9 @@ class MemoryConfig:
 
 @dataclass(frozen=True)
 class BackendConfig:
-    kind: str = limits("numpy_ref", choices=("numpy_ref", "onnx", "gguf", "tensorrt"))
+    # auto = onnx where onnxruntime is installed and the bundle has ONNX graphs, else numpy_ref (the slow,
+    # exact oracle: name it to compare against it).
+    kind: str = limits("auto", choices=("numpy_ref", "onnx", "gguf", "tensorrt", "auto"))
     threads: int = limits(0, min=0, max=256, doc="0 = one per CPU core")
     providers: Tuple[str, ...] = ("CPUExecutionProvider",)
     precision: str = limits("fp32", choices=("fp32", "fp16"))
@@ -141,16 +143,39 @@ def from_dict(cls: Type[T], data: Any, source: str = "<config>", where: str = ""
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise ConfigError(f"{source}: {key}: missing required key")
             continue
-        value = _convert(data[name], hints[name], key, source)
-        meta = f.metadata
-        if meta.get("choices") is not None and value not in meta["choices"]:
-            raise ConfigError(f"{source}: {key}: got {value!r}, expected one of {list(meta['choices'])}")
-        if meta.get("min") is not None and value < meta["min"]:
-            raise ConfigError(f"{source}: {key}: got {value!r}, expected >= {meta['min']}")
-        if meta.get("max") is not None and value > meta["max"]:
-            raise ConfigError(f"{source}: {key}: got {value!r}, expected <= {meta['max']}")
-        values[name] = value
+        values[name] = _checked(f, hints[name], data[name], key, source)
     return cls(**values)
+
+
+def _checked(f: dataclasses.Field, tp: Any, raw: Any, key: str, source: str) -> Any:
+    """`raw` converted to the field's type and checked against its limits, or a ConfigError."""
+    value = _convert(raw, tp, key, source)
+    meta = f.metadata
+    if meta.get("choices") is not None and value not in meta["choices"]:
+        raise ConfigError(f"{source}: {key}: got {value!r}, expected one of {list(meta['choices'])}")
+    if meta.get("min") is not None and value < meta["min"]:
+        raise ConfigError(f"{source}: {key}: got {value!r}, expected >= {meta['min']}")
+    if meta.get("max") is not None and value > meta["max"]:
+        raise ConfigError(f"{source}: {key}: got {value!r}, expected <= {meta['max']}")
+    return value
+
+
+def override(cfg: T, key_path: str, value: Any, source: str = "command line") -> T:
+    """`cfg` with the field at `key_path` ("memory.max_context") set to `value`, checked by exactly the
+    rules a YAML value meets. `source` names where the value came from: the flag --max-context gives
+    `--max-context: memory.max_context: got 2000000, expected <= 1048576`."""
+    return _override(cfg, key_path.split("."), value, source, key_path)
+
+
+def _override(cfg: Any, names: list, value: Any, source: str, key_path: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    if names[0] not in fields:
+        raise ConfigError(f"{source}: {key_path}: unknown key; expected one of {sorted(fields)}")
+    if len(names) > 1:
+        return dataclasses.replace(cfg, **{names[0]: _override(getattr(cfg, names[0]), names[1:], value, source,
+                                                                key_path)})
+    tp = typing.get_type_hints(type(cfg))[names[0]]
+    return dataclasses.replace(cfg, **{names[0]: _checked(fields[names[0]], tp, value, key_path, source)})
 
 
 def load_yaml(path: str) -> Any:

@@ -83,9 +83,12 @@ class Engine:
     def check_request(self, prompt: Sequence[int], max_tokens: int, params: SamplingParams) -> None:
         if len(prompt) == 0:
             raise RequestError("prompt", "is empty; give at least one token of text")
+        room = self.target.max_cache_len
+        if len(prompt) >= room:  # the prompt alone leaves no room for one token, whatever max_tokens says
+            raise RequestError("prompt", f"is {len(prompt)} tokens; the context budget of {room} positions holds at "
+                                         f"most {room - 1} prompt tokens plus one generated; shorten it or raise max_context")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
             raise RequestError("max_tokens", f"must be an integer >= 1, got {max_tokens!r}")
-        room = self.target.max_cache_len
         if len(prompt) + max_tokens > room:
             raise RequestError("max_tokens", f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the "
                                              f"context budget of {room} positions; shorten one or raise max_context")

@@ -13,7 +13,7 @@ import numpy as np
 
 from runtime import bundle as bundle_io
 from runtime.actions import ActionTokenizer
-from runtime.backends.factory import load_weights, open_model
+from runtime.backends.factory import load_weights, open_model, resolve_backend
 from runtime.backends.numpy_ref import cache_shape
 from runtime.blas import set_blas_threads
 from runtime.bundle import BackendFiles
@@ -122,6 +122,7 @@ class Session:
             set_blas_threads(config.backend.blas_threads)
         self.bundle = bundle_io.load(config.bundle)
         b = self.bundle
+        backend = replace(config.backend, kind=resolve_backend(config.backend.kind, b))
         self.tokenizer = Tokenizer(b.path(b.tokenizer))
         spec = b.target.spec
         name = config.drafter.kind if config.drafter.kind != "auto" else b.default_drafter
@@ -139,17 +140,17 @@ class Session:
             positions = min(positions, KVArena.positions_for_budget(list(shapes.values()),
                                                                     int(config.memory.budget_mb * 2**20)))
         # The arena's dtype is the K/V dtype of the backend's graphs (fp16 ONNX graphs keep an fp16 cache).
-        files = b.target_files(config.backend.kind)
+        files = b.target_files(backend.kind)
         # (numpy drafters sharing an fp16 arena read it upcast; only the drafter's precision is affected, not exactness)
         kv_dtype = np.float16 if files.params.get("precision") == "fp16" else np.float32
         # + drafted rows: a drafter's cache holds the context plus the branch it is drafting
         self.arena = KVArena.for_context(shapes, positions + 64, dtype=kv_dtype)
         cache = self.arena.allocate("target", shapes["target"], positions)
-        self.target = open_model(b, spec, files, config.backend, cache)
-        self.drafter = build_drafter(name, b, config.backend, self.arena, positions, config.drafter.num_tokens,
+        self.target = open_model(b, spec, files, backend, cache)
+        self.drafter = build_drafter(name, b, backend, self.arena, positions, config.drafter.num_tokens,
                                      config.drafter.branching, getattr(self.target, "w", None))
         self.drafter_kind = name
-        self.backend_name = config.backend.kind
+        self.backend_name = backend.kind
         eos = set(spec.eos_token_ids)
         eos_id = self.tokenizer.token_to_id(EOS)
         if eos_id is not None:
@@ -234,9 +235,10 @@ class Session:
         text, tokens, finish, stats = self.generate_ids(ids, params, None, on_delta, should_stop)
         return GenerationResult(text, tokens, finish, stats)
 
-    def plan(self, instruction: str, context: str = "", params: GenerationParams = GenerationParams()) -> PlanResult:
+    def plan(self, instruction: str, context: str = "", params: GenerationParams = GenerationParams(),
+             on_delta: Optional[Callable[[str, int], None]] = None) -> PlanResult:
         ids = self.tokenizer.encode(planner_prompt(instruction, context))
-        text, _, finish, stats = self.generate_ids(ids, params)
+        text, _, finish, stats = self.generate_ids(ids, params, on_delta=on_delta)
         try:
             steps = parse_plan(text)
             return PlanResult(text, steps, True, "", sorted(plan_objects(steps)), finish, stats)

@@ -139,6 +139,11 @@ def test_deadline_and_cancel_end_the_request_with_their_reason(model):
     ("temperature", dict(params=SamplingParams(temperature=-1.0))),
     ("top_p", dict(params=SamplingParams(temperature=1.0, top_p=0.0))),
     ("top_p", dict(params=SamplingParams(temperature=1.0, top_p=1.5))),
+    ("top_p", dict(params=SamplingParams(temperature=1.0, top_p=float("nan")))),
+    ("top_p", dict(params=SamplingParams(top_p=-0.2))),  # greedy too: never read as "off"
+    ("min_p", dict(params=SamplingParams(temperature=1.0, min_p=float("nan")))),
+    ("prompt", dict(prompt=[1] * 100_000, max_tokens=0)),  # the prompt is at fault, whatever max_tokens says
+    ("prompt", dict(prompt=[1] * 100_000)),
 ])
 def test_bad_requests_raise_request_error_naming_the_field(model, field, kwargs):
     spec, weights = model

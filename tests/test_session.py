@@ -51,7 +51,10 @@ def test_cancel_is_polled_during_generation(session):
     (lambda s: s.action_tokens("pick", [0.1] * 3), "observation"),
     (lambda s: s.action_tokens("pick", [math.nan] * OBS_DIMS), "observation"),
     (lambda s: s.action_tokens("pick", OBS, num_actions=0), "num_actions"),
-    (lambda s: s.generate("x" * 5000, GenerationParams()), "max_tokens"),
+    (lambda s: s.generate("x" * 5000, GenerationParams()), "prompt"),
+    (lambda s: s.generate("x" * 5000, GenerationParams(max_tokens=0)), "prompt"),
+    (lambda s: s.generate("the robot", GenerationParams(max_tokens=0)), "max_tokens"),
+    (lambda s: s.generate("the robot", GenerationParams(max_tokens=250)), "max_tokens"),
 ])
 def test_bad_requests_name_the_field(session, call, field):
     with pytest.raises(RequestError) as err:
@@ -68,3 +71,30 @@ def test_unknown_drafter_is_a_request_error(tiny_bundle):
 def test_missing_bundle_is_a_bundle_error(tmp_path):
     with pytest.raises(BundleError, match="make bundles"):
         Session.open(str(tmp_path / "nope"))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("top_p", math.nan), ("top_p", -0.5), ("top_p", 0.0), ("top_p", math.inf), ("top_p", 1.5),
+    ("min_p", math.nan), ("min_p", -0.1), ("min_p", 1.0),
+    ("temperature", math.nan), ("temperature", -1.0), ("temperature", math.inf),
+    ("top_k", -1), ("top_k", 2.5),
+    ("repetition_penalty", math.nan), ("repetition_penalty", 0.0), ("repetition_penalty", -math.inf),
+])
+def test_a_non_finite_or_out_of_range_sampling_value_is_refused_never_read_as_off(session, field, value):
+    """top_p NaN or negative must not silently mean "off": refused, greedy or not, naming the field."""
+    for temperature in (0.0, 0.7):
+        params = GenerationParams(**{"temperature": temperature, "max_tokens": 4, field: value})
+        with pytest.raises(RequestError) as err:
+            session.generate("<|bos|><|text|>the robot", params)
+        assert err.value.field == field
+
+
+def test_the_plan_request_streams_its_text(session):
+    deltas = []
+    res = session.plan("pick up the red cup", params=GenerationParams(max_tokens=12),
+                       on_delta=lambda d, n: deltas.append(d))
+    assert deltas and "".join(deltas) == res.text
+
+
+def test_the_default_backend_is_numpy_ref_when_the_bundle_has_no_onnx_graphs(tiny_bundle):
+    assert Session.open(tiny_bundle, drafter="none", max_context=64).backend_name == "numpy_ref"

@@ -44,3 +44,9 @@ def test_sampled_speculative_decoding_on_onnx_passes_certify(onnx_bundle):
     session = Session.open(onnx_bundle, drafter="draft_model", backend="onnx", max_context=128)
     (res,) = certify(session, PROMPTS[:1], SamplingParams(temperature=1.0), draws=2000, alpha=1e-3, seed=9)
     assert res.passed, res
+
+
+def test_the_default_backend_is_onnx_where_onnxruntime_is_installed_and_the_bundle_has_graphs(onnx_bundle):
+    """numpy_ref is the slow oracle: a plain request runs on ONNX Runtime unless the oracle is asked for."""
+    assert Session.open(onnx_bundle, drafter="none", max_context=64).backend_name == "onnx"
+    assert Session.open(onnx_bundle, drafter="none", backend="numpy_ref", max_context=64).backend_name == "numpy_ref"

@@ -1,6 +1,7 @@
 """Open a model of a bundle on the chosen backend, with its KV cache carved from the shared arena."""
 from __future__ import annotations
 
+import importlib.util
 from typing import Sequence
 
 from runtime.bundle import Bundle, BackendFiles
@@ -11,6 +12,16 @@ from runtime.model_spec import ModelSpec
 from runtime.tensors import read_safetensors
 
 BACKENDS = ("numpy_ref", "onnx", "gguf", "tensorrt")
+
+
+def resolve_backend(kind: str, bundle: Bundle) -> str:
+    """The backend `kind` names; "auto" is onnx where onnxruntime is installed and the bundle's target has
+    ONNX graphs (the fast path), else numpy_ref (the exact oracle, several times slower per verify)."""
+    if kind != "auto":
+        return kind
+    if "onnx" in bundle.target.backends and importlib.util.find_spec("onnxruntime") is not None:
+        return "onnx"
+    return "numpy_ref"
 
 
 def load_weights(bundle: Bundle, files: Sequence[str]) -> dict:
