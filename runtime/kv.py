@@ -73,7 +73,11 @@ class KVArena:
 
     def __init__(self, capacity_bytes: int, dtype=np.float32):
         self.dtype = np.dtype(dtype)
-        self._buf = np.zeros(int(capacity_bytes) // self.dtype.itemsize, dtype=self.dtype)
+        try:
+            self._buf = np.zeros(int(capacity_bytes) // self.dtype.itemsize, dtype=self.dtype)
+        except MemoryError:  # numpy's _ArrayMemoryError: say what was asked and what to change
+            raise BudgetExceeded(f"KV arena: cannot allocate {capacity_bytes / 2**30:.1f} GiB on this machine; "
+                                 "lower max_context (--max-context) or set memory.budget_mb") from None
         self._used = 0
         self.caches: Dict[str, KVCache] = {}
 

@@ -8,9 +8,11 @@ import json
 from dataclasses import replace
 from typing import Dict, List
 
+from runtime import bundle as bundle_io
 from runtime.commands.common import add_model_args, runtime_config
+from runtime.errors import ConfigError
 from runtime.prompts import action_prompt, planner_prompt, text_prompt
-from runtime.session import GenerationParams, Session
+from runtime.session import DRAFTER_CHOICES, GenerationParams, Session
 
 HELP = """Benchmark plain decoding against speculative drafters on the same backend, in one run.
 
@@ -37,25 +39,36 @@ BENCH_PROMPTS = {
 def register(sub) -> None:
     p = sub.add_parser("bench", help="speedup of each drafter over plain decoding, measured side by side",
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p)
-    p.add_argument("--drafters", default="none,ngram,draft_model", help="comma-separated; 'none' is the baseline")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--domains", default="planner,action,text", help="prompt sets to run")
-    p.add_argument("--repeats", type=int, default=1, help="runs per prompt (the best wall time is kept)")
-    p.add_argument("--json", action="store_true")
+    add_model_args(p, drafter=False)  # bench compares drafters: --drafters names them all
+    p.add_argument("--drafters", default="none,ngram,draft_model",
+                   help="comma-separated drafters to compare (default none,ngram,draft_model); 'none' (plain "
+                        "decoding) is always run as the baseline")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt, >= 1 (default 64)")
+    p.add_argument("--domains", default=",".join(BENCH_PROMPTS),
+                   help=f"comma-separated prompt sets to run, of {', '.join(BENCH_PROMPTS)} (default all)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per prompt, >= 1 (the best wall time is kept)")
+    p.add_argument("--json", action="store_true", help="print one JSON list instead of the table")
     p.set_defaults(func=run)
 
 
-def run_drafter(args, drafter: str, prompts: List[str]) -> Dict[str, object]:
-    cfg = runtime_config(args)
+def split_list(flag: str, text: str, known) -> List[str]:
+    """The names of a comma-separated flag, each one of `known`, or a ConfigError naming the flag."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if not names or unknown:
+        raise ConfigError(f"{flag}: got {text!r}, expected a comma-separated list of {sorted(known)}")
+    return names
+
+
+def run_drafter(cfg, args, drafter: str, prompts: List[str]) -> Dict[str, object]:
     session = Session(replace(cfg, drafter=replace(cfg.drafter, kind=drafter)))
-    params = GenerationParams(max_tokens=args.max_tokens)
+    params = GenerationParams(max_tokens=cfg.generation.max_tokens)
     agg = dict(tokens=0, wall=0.0, cycles=0, forwards=0, draft=0.0, verify=0.0, other=0.0, prefill=0.0, tau_sum=0.0)
     outputs = []
     session.generate(prompts[0], replace(params, max_tokens=4))  # warm-up (caches, allocations)
     for prompt in prompts:
         best = None
-        for _ in range(max(1, args.repeats)):
+        for _ in range(args.repeats):
             res = session.generate(prompt, params)
             if best is None or res.stats.wall_s < best.stats.wall_s:
                 best = res
@@ -77,11 +90,16 @@ def run_drafter(args, drafter: str, prompts: List[str]) -> Dict[str, object]:
 
 
 def run(args) -> int:
-    names = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    cfg = runtime_config(args)
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats: got {args.repeats}, expected >= 1")
+    domains = split_list("--domains", args.domains, BENCH_PROMPTS)
+    bundle = bundle_io.load(cfg.bundle, verify_checksums=False)  # the names are checked before anything runs
+    names = split_list("--drafters", args.drafters, set(DRAFTER_CHOICES) | set(bundle.drafters))
     if "none" not in names:
         names.insert(0, "none")
-    prompts = [p for d in args.domains.split(",") for p in BENCH_PROMPTS[d.strip()]]
-    rows = {name: run_drafter(args, name, prompts) for name in names}
+    prompts = [p for d in domains for p in BENCH_PROMPTS[d]]
+    rows = {name: run_drafter(cfg, args, name, prompts) for name in names}
     base = rows["none"]
     base_tps = base["tokens"] / base["wall"]
     table = []
@@ -99,7 +117,8 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(table))
         return 0
-    print(f"bench: {len(prompts)} prompts ({args.domains}), greedy, max_tokens={args.max_tokens}, backend={base['backend']}")
+    print(f"bench: {len(prompts)} prompts ({','.join(domains)}), greedy, max_tokens={cfg.generation.max_tokens}, "
+          f"backend={base['backend']}")
     print(f"{'drafter':12s} {'tok/s':>7s} {'speedup':>8s} {'tau':>5s} {'ms/cycle':>9s} {'draft':>7s} {'verify':>7s} "
           f"{'other':>7s} {'MiB':>6s}  identical")
     for t in table:

@@ -1,47 +1,95 @@
-"""Arguments shared by the runtime subcommands (bundle, backend, drafter, sampling)."""
+"""Arguments shared by the runtime subcommands (bundle, backend, drafter, sampling).
+
+Every flag lands in the typed RuntimeConfig through `config.override`, so a flag meets exactly the
+checks its YAML key does and a bad value is a ConfigError naming the flag, the key, the value and
+the range (`--branching: drafter.branching: got 0, expected >= 1`)."""
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import replace
 
-from runtime.config import RuntimeConfig, load_config
+from runtime.bundle import MANIFEST
+from runtime.config import RuntimeConfig, load_config, override
+from runtime.errors import BundleError
+from runtime.session import GenerationParams
 
-DEFAULT_BUNDLE = "build/bundles/zoo"
+DEFAULT_BUNDLE = RuntimeConfig().bundle  # relative: resolved by `resolve_bundle_dir`
+
+# flag attribute -> config key it sets (sampling keys only where the command defines the flag)
+MODEL_FLAGS = {"backend": "backend.kind", "drafter": "drafter.kind", "num_draft": "drafter.num_tokens",
+               "branching": "drafter.branching", "max_context": "memory.max_context"}
+SAMPLING_FLAGS = {"max_tokens": "generation.max_tokens", "temperature": "generation.temperature",
+                  "top_p": "generation.top_p", "top_k": "generation.top_k", "seed": "generation.seed"}
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def edgespec_root() -> str:
+    """Where relative bundle paths of a config are taken from: $EDGESPEC_ROOT, else the source tree
+    this package runs from (the directory holding runtime/)."""
+    env = os.environ.get("EDGESPEC_ROOT")
+    if env:
+        return os.path.abspath(env)
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def resolve_bundle_dir(path: str, source: str) -> str:
+    """A config's (or the default's) bundle path, made absolute from `edgespec_root()` so that it does not
+    depend on the working directory; a BundleError saying where it looked when no bundle is there.
+    (A --bundle flag is a path like any other: relative to the working directory.)"""
+    if os.path.isabs(path):
+        return path
+    full = os.path.join(edgespec_root(), path)
+    if not os.path.isfile(os.path.join(full, MANIFEST)):
+        where = ("$EDGESPEC_ROOT" if os.environ.get("EDGESPEC_ROOT") else
+                 "the edgespec source tree (set EDGESPEC_ROOT to use another)")
+        raise BundleError(f"{full}: no bundle there. The bundle path {path!r} ({source}) is relative, so it was "
+                          f"taken from {where}, {edgespec_root()}. Build it with `make bundles` there, or pass "
+                          "--bundle DIR")
+    return full
+
+
+def add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--config", help="a runtime YAML (configs/runtime.yaml); flags below override it")
-    g.add_argument("--bundle", help=f"bundle directory (default: {DEFAULT_BUNDLE}, built by `make bundles`)")
-    g.add_argument("--backend", choices=["numpy_ref", "onnx"], help="backend to run the target on (default numpy_ref)")
-    g.add_argument("--drafter", help="none | ngram | draft_model | a drafter named in the bundle (default: the bundle's)")
-    g.add_argument("--num-draft", type=int, help="draft tokens per branch per cycle (default 4)")
-    g.add_argument("--branching", type=int, help="branches per tree (1 = a chain)")
-    g.add_argument("--max-context", type=int, help="KV positions per model (default 2048)")
+    g.add_argument("--bundle", help=f"bundle directory, relative to the working directory (default: {DEFAULT_BUNDLE} "
+                                    "under $EDGESPEC_ROOT, else under the edgespec source tree; built by "
+                                    "`make bundles`)")
+    g.add_argument("--backend", choices=["auto", "numpy_ref", "onnx"],
+                   help="backend to run the target on (default auto: onnx where onnxruntime is installed and the "
+                        "bundle has ONNX graphs, else numpy_ref, the exact but slow oracle)")
+    if drafter:
+        g.add_argument("--drafter", help="none | ngram | draft_model | mtp | a drafter named in the bundle "
+                                         "(default: the bundle's)")
+    g.add_argument("--num-draft", type=int, help="draft tokens per branch per cycle, 1..64 (default 4)")
+    g.add_argument("--branching", type=int, help="branches per tree node, 1..16 (default 1 = a chain)")
+    g.add_argument("--max-context", type=int, help="KV positions per model, 16..1048576 (default 2048)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """Sampling flags; unset ones take the config's `generation` values (the defaults below without --config)."""
     g = p.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-tokens", type=int, help="tokens to generate at most, >= 1 (default 128)")
+    g.add_argument("--temperature", type=float, help="0 = greedy (default); > 0 samples, up to 100")
+    g.add_argument("--top-p", type=float, help="nucleus mass kept, in (0, 1]; 1 = off (default)")
+    g.add_argument("--top-k", type=int, help="keep the k most likely tokens, >= 0; 0 = off (default)")
+    g.add_argument("--seed", type=int, help="RNG seed for sampling, >= 0 (default 0)")
 
 
 def runtime_config(args) -> RuntimeConfig:
-    cfg = load_config(args.config) if getattr(args, "config", None) else RuntimeConfig(bundle=DEFAULT_BUNDLE)
-    if args.bundle:
-        cfg = replace(cfg, bundle=args.bundle)
-    if args.backend:
-        cfg = replace(cfg, backend=replace(cfg.backend, kind=args.backend))
-    d = cfg.drafter
-    if args.drafter:
-        d = replace(d, kind=args.drafter)
-    if args.num_draft is not None:
-        d = replace(d, num_tokens=args.num_draft)
-    if args.branching is not None:
-        d = replace(d, branching=args.branching)
-    cfg = replace(cfg, drafter=d)
-    if args.max_context is not None:
-        cfg = replace(cfg, memory=replace(cfg.memory, max_context=args.max_context))
+    """The config a command runs with: --config (or the defaults), then each flag given, each checked."""
+    cfg = load_config(args.config) if getattr(args, "config", None) else RuntimeConfig()
+    if getattr(args, "bundle", None):
+        cfg = replace(cfg, bundle=os.path.abspath(args.bundle))
+    else:
+        cfg = replace(cfg, bundle=resolve_bundle_dir(cfg.bundle, args.config or "the default"))
+    for attr, key in {**MODEL_FLAGS, **SAMPLING_FLAGS}.items():
+        value = getattr(args, attr, None)
+        if value is not None:
+            cfg = override(cfg, key, value, "--" + attr.replace("_", "-"))
     return cfg
+
+
+def generation_params(cfg: RuntimeConfig) -> GenerationParams:
+    g = cfg.generation
+    return GenerationParams(max_tokens=g.max_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                            min_p=g.min_p, repetition_penalty=g.repetition_penalty, seed=g.seed, stop=g.stop)

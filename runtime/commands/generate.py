@@ -5,8 +5,8 @@ import argparse
 import json
 import sys
 
-from runtime.commands.common import add_model_args, add_sampling_args, runtime_config
-from runtime.session import GenerationParams, Session
+from runtime.commands.common import add_model_args, add_sampling_args, generation_params, runtime_config
+from runtime.session import Session
 
 HELP = """Generate text from a bundle and print the speculative-decoding statistics.
 
@@ -25,19 +25,18 @@ def register(sub) -> None:
     src.add_argument("--plan", metavar="INSTRUCTION", help="a planner instruction (uses the planner prompt template)")
     add_model_args(p)
     add_sampling_args(p)
-    p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--stream", action="store_true", help="print text as it is accepted")
+    p.add_argument("--stream", action="store_true", help="print text as it is accepted (--prompt and --plan)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    session = Session(runtime_config(args))
-    params = GenerationParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, seed=args.seed)
+    cfg = runtime_config(args)
+    params = generation_params(cfg)
+    session = Session(cfg)
     on_delta = (lambda d, n: (sys.stdout.write(d), sys.stdout.flush())) if args.stream and not args.json else None
     if args.plan is not None:
-        res = session.plan(args.plan, params=params)
+        res = session.plan(args.plan, params=params, on_delta=on_delta)
         record = {"text": res.text, "plan_ok": res.plan_ok, "plan_error": res.plan_error,
                   "finish_reason": res.finish_reason, "stats": res.stats.to_dict()}
     else:
