@@ -165,6 +165,13 @@ def test_batch_applies_each_rows_own_history():
         ("top_p", dict(top_p=0.0)),
         ("top_p", dict(top_p=1.5)),
         ("top_p", dict(top_p=float("nan"))),
+        ("top_p", dict(top_p=np.float32("nan"))),
+        ("top_p", dict(top_p=-0.5)),  # never read as "off"
+        ("top_p", dict(top_p=float("inf"))),
+        ("top_p", dict(top_p="0.9")),
+        ("min_p", dict(min_p=float("nan"))),
+        ("min_p", dict(min_p=float("inf"))),
+        ("repetition_penalty", dict(repetition_penalty=float("inf"))),
         ("top_k", dict(top_k=-1)),
         ("top_k", dict(top_k=2.5)),
         ("min_p", dict(min_p=-0.1)),
