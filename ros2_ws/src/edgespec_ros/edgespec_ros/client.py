@@ -12,15 +12,17 @@ from lifecycle_msgs.srv import ChangeState, GetState
 from rclpy.action import ActionClient
 from rclpy.node import Node
 
+from edgespec_ros.qos import REQUEST_QOS, action_qos_kwargs
+
 
 class EdgespecClient:
     def __init__(self, node: Node, node_path: str = "/edgespec"):
         """`node_path`: the served node's fully qualified name, e.g. /spec/edgespec."""
         self.node = node
         self.path = node_path.rstrip("/")
-        self.plan_client = node.create_client(Plan, f"{self.path}/plan")
-        self.actions_client = node.create_client(ActionTokens, f"{self.path}/action_tokens")
-        self.generate_client = ActionClient(node, Generate, f"{self.path}/generate")
+        self.plan_client = node.create_client(Plan, f"{self.path}/plan", qos_profile=REQUEST_QOS)
+        self.actions_client = node.create_client(ActionTokens, f"{self.path}/action_tokens", qos_profile=REQUEST_QOS)
+        self.generate_client = ActionClient(node, Generate, f"{self.path}/generate", **action_qos_kwargs())
         self.change_state_client = node.create_client(ChangeState, f"{self.path}/change_state")
         self.get_state_client = node.create_client(GetState, f"{self.path}/get_state")
 

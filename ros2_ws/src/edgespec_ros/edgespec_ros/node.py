@@ -33,6 +33,7 @@ from rclpy.lifecycle import State, TransitionCallbackReturn
 
 from edgespec_ros import messages
 from edgespec_ros.parameters import declare_parameters
+from edgespec_ros.qos import REQUEST_QOS, action_qos_kwargs
 from edgespec_ros.request_queue import PRIORITY_ACTIONS, PRIORITY_NORMAL, GaveUp, QueueFull, RequestQueue
 from runtime.errors import EdgespecError, RequestError
 from runtime.session import GenerationParams, Session
@@ -57,13 +58,15 @@ class EdgespecNode(LifecycleNode):
         self._action_control_group = ReentrantCallbackGroup()
         self._diagnostics_group = MutuallyExclusiveCallbackGroup()
 
-        self.create_service(Plan, "~/plan", self._on_plan, callback_group=self.generation_group)
-        self.create_service(ActionTokens, "~/action_tokens", self._on_action_tokens,
+        # Every request reaches a callback, to be queued or refused: see edgespec_ros.qos.
+        self.create_service(Plan, "~/plan", self._on_plan, qos_profile=REQUEST_QOS,
+                            callback_group=self.generation_group)
+        self.create_service(ActionTokens, "~/action_tokens", self._on_action_tokens, qos_profile=REQUEST_QOS,
                             callback_group=self.generation_group)
         self._action_server = ActionServer(
             self, Generate, "~/generate", execute_callback=self._on_generate,
             goal_callback=self._on_goal, cancel_callback=lambda _goal: CancelResponse.ACCEPT,
-            callback_group=self._action_control_group)
+            callback_group=self._action_control_group, **action_qos_kwargs())
         self._stats_pub = self.create_publisher(DecodeStatsMsg, "~/stats", 10)
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self._diag_timer = self.create_timer(self.p.diagnostics_period_s, self._publish_diagnostics,
