@@ -144,3 +144,27 @@ def spin_all(node, futures, timeout_s: float = 60.0) -> None:
     while not all(f.done() for f in futures):
         assert time.monotonic() < deadline, f"{sum(not f.done() for f in futures)} of {len(futures)} not answered"
         rclpy.spin_once(node, timeout_sec=0.05)
+
+
+def wait_for_diagnostics(client_node, path: str, predicate=lambda status, values: True, timeout_s: float = 10.0):
+    """The first /diagnostics status of the node at `path` that satisfies `predicate(status, values)`,
+    as (status, {key: value}); fails with the last status seen when none does within `timeout_s`."""
+    import rclpy
+    from diagnostic_msgs.msg import DiagnosticArray
+
+    got = []
+    sub = client_node.create_subscription(
+        DiagnosticArray, "/diagnostics", lambda m: got.extend(s for s in m.status if s.name.endswith(path)), 10)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            rclpy.spin_once(client_node, timeout_sec=0.05)
+            for status in got:
+                values = {kv.key: kv.value for kv in status.values}
+                if predicate(status, values):
+                    return status, values
+            last, got[:] = got[-1:], []
+    finally:
+        client_node.destroy_subscription(sub)
+    seen = [(s.level, s.message, {kv.key: kv.value for kv in s.values}) for s in last]
+    raise AssertionError(f"no diagnostics from {path} satisfied the condition within {timeout_s} s; last: {seen}")

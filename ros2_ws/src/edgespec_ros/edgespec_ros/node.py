@@ -4,6 +4,8 @@
     activate   -> serve ~/plan, ~/action_tokens (services) and ~/generate (action)
     deactivate -> stop serving: queued requests fail, a running generation is cancelled
     cleanup    -> Session.close() frees the model memory
+    shutdown   -> finalized: requests are refused until the process restarts
+    SIGINT/SIGTERM -> drain: refuse new requests, answer the queued ones, stop the running one, exit 0
 
 Requests are served one at a time (batch 1) from a RequestQueue; the service callbacks and the
 action's execution wait there in their own (reentrant) callback group while the diagnostics timer,
@@ -12,8 +14,10 @@ Uses only rclpy API common to Humble, Jazzy and Kilted.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import signal
 import sys
 import threading
 import time
@@ -30,6 +34,7 @@ from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallb
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.lifecycle import Node as LifecycleNode
 from rclpy.lifecycle import State, TransitionCallbackReturn
+from rclpy.signals import SignalHandlerOptions
 
 from edgespec_ros import messages
 from edgespec_ros.parameters import declare_parameters
@@ -46,7 +51,10 @@ class EdgespecNode(LifecycleNode):
         self.session: Optional[Session] = None
         self.queue = RequestQueue(self.p.queue_limit)
         self._active = False
+        self._finalized = False  # the lifecycle `shutdown` transition ran: no way back
+        self._stopping: Optional[str] = None  # why the process is shutting down (e.g. "SIGTERM received")
         self._lock = threading.Lock()  # guards the counters below
+        self._in_flight = 0  # requests taken (service calls, accepted goals) and not yet answered
         self._counts = {"served": 0, "failed": 0, "rejected": 0}
         self._last_error: Optional[str] = None
         self._configure_error: Optional[str] = None
@@ -107,6 +115,7 @@ class EdgespecNode(LifecycleNode):
 
     def on_shutdown(self, state: State) -> TransitionCallbackReturn:
         self._active = False
+        self._finalized = True
         self._close_session()
         return TransitionCallbackReturn.SUCCESS
 
@@ -117,7 +126,7 @@ class EdgespecNode(LifecycleNode):
 
     def _close_session(self) -> None:
         if not self.queue.wait_idle(timeout_s=30.0):
-            self.get_logger().warn("cleanup: a generation is still running after 30 s; closing anyway")
+            self.get_logger().warning("cleanup: a generation is still running after 30 s; closing anyway")
         if self.session is not None:
             self.session.close()
             self.session = None
@@ -126,6 +135,10 @@ class EdgespecNode(LifecycleNode):
 
     # ---- requests --------------------------------------------------------------------------------
     def _on_plan(self, req: Plan.Request, resp: Plan.Response) -> Plan.Response:
+        with self._tracked():
+            return self._plan(req, resp)
+
+    def _plan(self, req: Plan.Request, resp: Plan.Response) -> Plan.Response:
         context = "\n".join(s for s in (req.context, req.observation and f"Observation: {req.observation}") if s)
 
         def run(session: Session, params: GenerationParams, _stop):
@@ -134,6 +147,10 @@ class EdgespecNode(LifecycleNode):
         return self._serve("plan", req, resp, PRIORITY_NORMAL, run, messages.fill_plan)
 
     def _on_action_tokens(self, req: ActionTokens.Request, resp: ActionTokens.Response) -> ActionTokens.Response:
+        with self._tracked():
+            return self._action_tokens(req, resp)
+
+    def _action_tokens(self, req: ActionTokens.Request, resp: ActionTokens.Response) -> ActionTokens.Response:
         def run(session: Session, params: GenerationParams, _stop):
             chunk = {"num_actions": int(req.num_actions)} if req.num_actions else {}  # 0: the runtime's default
             return session.action_tokens(req.instruction, observation=list(req.observation),
@@ -143,18 +160,23 @@ class EdgespecNode(LifecycleNode):
         return self._serve("action_tokens", req, resp, priority, run, messages.fill_action_tokens)
 
     def _on_goal(self, goal: Generate.Goal) -> GoalResponse:
-        reason = None
-        if not self._active:
-            reason = f"node is {self._state_label()}, not active"
-        elif len(self.queue) >= self.queue.limit:
+        reason = self._not_serving()
+        if reason is None and len(self.queue) >= self.queue.limit:
             reason = f"queue full ({self.queue.limit})"
         if reason:
             self._count("rejected")
-            self.get_logger().warn(f"generate goal rejected: {reason}")
+            self.get_logger().warning(f"generate goal rejected: {reason}")
             return GoalResponse.REJECT
+        self._track(+1)  # until _on_generate has answered it
         return GoalResponse.ACCEPT
 
     def _on_generate(self, goal_handle) -> Generate.Result:
+        try:
+            return self._generate(goal_handle)
+        finally:
+            self._track(-1)
+
+    def _generate(self, goal_handle) -> Generate.Result:
         goal: Generate.Goal = goal_handle.request
         feedback = _FeedbackBatcher(goal_handle.publish_feedback, self.p.feedback_period_s)
 
@@ -167,8 +189,8 @@ class EdgespecNode(LifecycleNode):
         result = self._serve("generate", goal, Generate.Result(), PRIORITY_NORMAL, run, messages.fill_generate,
                              prompt_field="prompt", cancelled=lambda: goal_handle.is_cancel_requested)
         if result.finish_reason == "cancelled" and not goal_handle.is_cancel_requested:
-            result.success, result.error_field = False, "state"  # stopped by deactivate, not by the client
-            result.message = "node deactivated during the generation; partial text returned"
+            result.success, result.error_field = False, "state"  # stopped by the node, not by the client
+            result.message = f"{self._not_serving() or 'node stopped serving'}; partial text returned"
         if goal_handle.is_cancel_requested and result.finish_reason == "cancelled":
             goal_handle.canceled()
         elif result.success:
@@ -184,9 +206,9 @@ class EdgespecNode(LifecycleNode):
         ticket = None
         try:
             params = self._params(req, prompt_field)
-            if not self._active or self.session is None:
-                raise RequestError("state", f"node is {self._state_label()}, not active: activate it first "
-                                            "(lifecycle transition 'activate')")
+            why = self._not_serving()
+            if why:
+                raise RequestError("state", why)
             try:
                 ticket = self.queue.join(priority)
             except QueueFull as exc:
@@ -196,8 +218,9 @@ class EdgespecNode(LifecycleNode):
             def give_up() -> Optional[str]:
                 if cancelled():
                     return "cancelled"
-                if not self._active:
-                    return "node deactivated while the request was queued"
+                why = self._not_serving()
+                if why:
+                    return f"{why} (the request was still queued)"
                 if deadline is not None and time.monotonic() >= deadline:
                     return "deadline"
                 return None
@@ -208,12 +231,12 @@ class EdgespecNode(LifecycleNode):
                 if str(exc) in ("deadline", "cancelled"):
                     return self._unserved(resp, str(exc), ticket.waited_s)
                 raise RequestError("state", str(exc)) from None
-            session = self.session
-            if session is None or not self._active:
-                raise RequestError("state", f"node became {self._state_label()} while the request was queued")
+            session, why = self.session, self._not_serving()
+            if why or session is None:
+                raise RequestError("state", f"{why or 'node has no model'} (the request was still queued)")
             if deadline is not None:
                 params = dataclasses.replace(params, deadline_s=max(deadline - time.monotonic(), 1e-3))
-            res = run(session, params, lambda: cancelled() or not self._active)
+            res = run(session, params, lambda: cancelled() or self._not_serving() is not None)
             fill(resp, res)
             resp.success = True
             resp.stats = messages.stats_msg(res.stats, ticket.waited_s)
@@ -221,7 +244,7 @@ class EdgespecNode(LifecycleNode):
         except RequestError as exc:
             resp.success, resp.error_field, resp.message = False, exc.field, str(exc)
             self._count("failed")
-            self.get_logger().warn(f"{kind}: refused: {exc}")
+            self.get_logger().warning(f"{kind}: refused: {exc}")
         except EdgespecError as exc:
             resp.success, resp.message = False, f"{type(exc).__name__}: {exc}"
             self._failed(f"{kind}: {resp.message}")
@@ -279,9 +302,54 @@ class EdgespecNode(LifecycleNode):
         self.get_logger().error(message)
 
     def _state_label(self) -> str:
+        if self._stopping:
+            return "shutting down"
+        if self._finalized:
+            return "finalized"
         if self._active:
             return "active"
         return "inactive" if self.session is not None else "unconfigured"
+
+    def _not_serving(self) -> Optional[str]:
+        """Why a request cannot be served now, for the client (None when the node serves)."""
+        if self._stopping:
+            return (f"node is shutting down ({self._stopping}): it accepts no more requests; "
+                    "send them to another node or after it restarts")
+        if self._finalized:
+            return "node is finalized (lifecycle transition 'shutdown' ran): it cannot serve again; restart it"
+        if self._active and self.session is not None:
+            return None
+        if self.session is not None:
+            return "node is inactive, not active: activate it first (lifecycle transition 'activate')"
+        return ("node is unconfigured, not active: configure and activate it first "
+                "(lifecycle transitions 'configure', 'activate')")
+
+    # ---- process shutdown ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _tracked(self):
+        self._track(+1)
+        try:
+            yield
+        finally:
+            self._track(-1)
+
+    def _track(self, delta: int) -> None:
+        with self._lock:
+            self._in_flight += delta
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return self._in_flight
+
+    def begin_shutdown(self, reason: str) -> None:
+        """Stop accepting: new requests are refused, queued ones give up, a running generation stops."""
+        self._stopping = reason
+        self.get_logger().info(f"shutting down ({reason}): refusing new requests, answering "
+                               f"{len(self.queue)} queued or running")
+
+    def close(self) -> None:
+        self._active = False
+        self._close_session()
 
     def _publish_diagnostics(self) -> None:
         session = self.session
@@ -340,9 +408,32 @@ class _FeedbackBatcher:
         self._publish(msg)
 
 
+DRAIN_TIMEOUT_S = 30.0  # the longest a running request may take to stop after a signal
+DRAIN_GRACE_S = 0.5  # spinning on after the last answer: action results reach waiting clients, late requests are refused
+
+
+def _drain(executor, node: EdgespecNode, reason: str) -> None:
+    """Answer everything taken before the process goes: rclpy's own signal handler would shut the
+    context down under the running callbacks (requests unanswered, InvalidHandle tracebacks)."""
+    node.begin_shutdown(reason)
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    while node.in_flight() and time.monotonic() < deadline:
+        executor.spin_once(timeout_sec=0.05)
+    grace_end = time.monotonic() + DRAIN_GRACE_S
+    while time.monotonic() < grace_end:
+        executor.spin_once(timeout_sec=0.05)
+    if node.in_flight():
+        node.get_logger().warning(f"shutdown: {node.in_flight()} requests still running after {DRAIN_TIMEOUT_S} s")
+    node.close()
+    node.get_logger().info("shut down: every request taken was answered")
+
+
 def main(args=None) -> int:
-    rclpy.init(args=args)
-    node = None
+    rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)  # our handler drains first
+    received = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda num, _frame: received.append(signal.Signals(num).name))
+    node = executor = None
     try:
         node = EdgespecNode()
         executor = MultiThreadedExecutor(num_threads=node.queue.limit + 4)  # one per waiting request + control
@@ -350,13 +441,17 @@ def main(args=None) -> int:
         if node.p.autostart:
             if node.trigger_configure() == TransitionCallbackReturn.SUCCESS:
                 node.trigger_activate()
-        executor.spin()
+        while not received:
+            executor.spin_once(timeout_sec=0.1)  # returns to Python often enough for the signal handler
+        _drain(executor, node, f"{received[0]} received")
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     except EdgespecError as exc:  # e.g. a parameter file with a bad value
         print(f"edgespec_node: error: {exc}", file=sys.stderr)
         return 2
     finally:
+        if executor is not None:
+            executor.shutdown()
         if node is not None:
             node.destroy_node()
         rclpy.try_shutdown()
