@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.ros.conftest import HERE, connect, spin_all, start_node
+from tests.ros.conftest import HERE, connect, spin_all, start_node, wait_for_diagnostics
 
 NS = "/life"
 PATH = f"{NS}/edgespec"
@@ -165,5 +165,21 @@ def test_a_backend_failure_mid_generation_fails_that_request_and_the_node_keeps_
         _, values = _diagnostics(client_node, "/faulty/edgespec")
         assert "injected fault" in values["last_error"] and int(values["requests_failed"]) >= 1
         assert node.alive()
+    finally:
+        assert node.stop() == 0, node.log()
+
+
+def test_after_the_shutdown_transition_requests_are_told_the_node_is_finalized(tiny_bundle, client_node, tmp_path):
+    node = start_node(str(tmp_path), "/finalized", {"bundle": tiny_bundle, "autostart": True,
+                                                    "diagnostics_period_s": 0.1})
+    try:
+        client = connect(client_node, node, "/finalized/edgespec")
+        assert client.change_state("shutdown") and client.state() == "finalized"
+        refused = client.plan(instruction="bring the cup", max_tokens=4)
+        assert not refused.success and refused.error_field == "state"
+        assert "finalized" in refused.message and "restart" in refused.message, refused.message
+        assert "activate it first" not in refused.message
+        assert not client.send_goal(prompt="hello").accepted
+        wait_for_diagnostics(client_node, "/finalized/edgespec", lambda _s, v: v["state"] == "finalized")
     finally:
         assert node.stop() == 0, node.log()
