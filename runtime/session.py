@@ -57,6 +57,14 @@ class GenerationParams:
 
 
 @dataclass
+class Partial:
+    """What a request had decoded when it failed, set as `exc.partial` on the exception: exactly the text
+    passed to on_delta so far (a streaming caller returns it with the error) and its token ids."""
+    text: str
+    token_ids: List[int]
+
+
+@dataclass
 class GenerationResult:
     text: str
     token_ids: List[int]
@@ -199,8 +207,10 @@ class Session:
         start = time.monotonic()
         decoder = StreamDecoder(self.tokenizer)
         state = {"n": 0, "stopped": False}
+        emitted: List[int] = []
 
         def on_tokens(batch: List[int]) -> None:
+            emitted.extend(batch)
             state["n"] += len(batch)
             delta = decoder.push(batch)
             if params.stop and any(s in decoder.text for s in params.stop):
@@ -214,8 +224,12 @@ class Session:
             return "stop" if state["stopped"] else None
 
         deadline = start + params.deadline_s if params.deadline_s else None
-        out = self.engine.generate(prompt_ids, params.sampling(allowed_tokens), params.max_tokens, params.seed,
-                                   on_tokens, StopCheck(deadline, why_stop))
+        try:
+            out = self.engine.generate(prompt_ids, params.sampling(allowed_tokens), params.max_tokens, params.seed,
+                                       on_tokens, StopCheck(deadline, why_stop))
+        except Exception as exc:  # a backend failure mid-stream: the caller may have streamed text already
+            exc.partial = Partial(decoder.text, list(emitted))
+            raise
         out.stats.memory_bytes = self.memory_in_use()
         tail = decoder.flush()
         if on_delta is not None and tail:

@@ -160,6 +160,9 @@ def test_a_backend_failure_mid_generation_fails_that_request_and_the_node_keeps_
         assert accepted and status == 6  # ABORTED
         assert not result.success and "BackendError" in result.message and "injected fault" in result.message
         assert feedback, "the fault came after tokens had been streamed"
+        streamed = "".join(f.text_delta for f in feedback)
+        assert streamed and result.text == streamed, "the result keeps the partial text that was streamed"
+        assert len(result.token_ids) == feedback[-1].tokens and result.finish_reason == "error"
         again = client.generate(prompt="navigate to the kitchen", max_tokens=16)
         assert again[0] and again[2].success, again[2].message
         _, values = _diagnostics(client_node, "/faulty/edgespec")

@@ -60,6 +60,17 @@ def fill_generate(result, res) -> None:
     result.finish_reason = res.finish_reason
 
 
+def fill_partial(resp, partial) -> None:
+    """A request that failed mid-generation keeps what it had decoded (runtime.session.Partial)."""
+    if partial is None:
+        return
+    if hasattr(resp, "text"):
+        resp.text = partial.text
+    if hasattr(resp, "token_ids"):
+        resp.token_ids = [int(t) for t in partial.token_ids]
+    resp.finish_reason = "error"
+
+
 def diagnostic_array(stamp, name: str, hardware_id: str, level: str, message: str,
                      values: Dict[str, object]) -> DiagnosticArray:
     """One DiagnosticStatus in an array, as diagnostic_updater would publish it (which is not on PyPI)."""

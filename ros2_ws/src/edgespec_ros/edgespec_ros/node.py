@@ -247,9 +247,11 @@ class EdgespecNode(LifecycleNode):
             self.get_logger().warning(f"{kind}: refused: {exc}")
         except EdgespecError as exc:
             resp.success, resp.message = False, f"{type(exc).__name__}: {exc}"
+            messages.fill_partial(resp, getattr(exc, "partial", None))
             self._failed(f"{kind}: {resp.message}")
         except Exception as exc:  # a bug must fail one request, not the node
             resp.success, resp.message = False, f"internal error: {type(exc).__name__}: {exc}"
+            messages.fill_partial(resp, getattr(exc, "partial", None))
             self._failed(f"{kind}: {resp.message}\n{traceback.format_exc()}")
         finally:
             if ticket is not None:
