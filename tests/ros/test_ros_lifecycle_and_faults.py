@@ -13,6 +13,7 @@ from tests.ros.conftest import HERE, connect, spin_all, start_node, wait_for_dia
 NS = "/life"
 PATH = f"{NS}/edgespec"
 LONG = 8000  # tokens: many seconds on the tiny bundle; the tests cancel it or deactivate
+OK, WARN = b"\x00", b"\x01"  # DiagnosticStatus levels
 
 
 def _diagnostics(client_node, path: str, timeout_s: float = 3.0):
@@ -152,10 +153,12 @@ def test_a_backend_failure_mid_generation_fails_that_request_and_the_node_keeps_
     sys.path.insert(0, HERE)
     from faulty_node import FAULT_MARKER
 
-    node = start_node(str(tmp_path), "/faulty", {"bundle": tiny_bundle, "autostart": True},
+    path = "/faulty/edgespec"
+    node = start_node(str(tmp_path), "/faulty", {"bundle": tiny_bundle, "autostart": True,
+                                                 "diagnostics_period_s": 0.1},
                       script=os.path.join(HERE, "faulty_node.py"))
     try:
-        client = connect(client_node, node, "/faulty/edgespec")
+        client = connect(client_node, node, path)
         accepted, status, result, feedback = client.generate(prompt=f"navigate {FAULT_MARKER}", max_tokens=200)
         assert accepted and status == 6  # ABORTED
         assert not result.success and "BackendError" in result.message and "injected fault" in result.message
@@ -163,10 +166,20 @@ def test_a_backend_failure_mid_generation_fails_that_request_and_the_node_keeps_
         streamed = "".join(f.text_delta for f in feedback)
         assert streamed and result.text == streamed, "the result keeps the partial text that was streamed"
         assert len(result.token_ids) == feedback[-1].tokens and result.finish_reason == "error"
+        status, values = wait_for_diagnostics(client_node, path, lambda s, _v: s.level == WARN)
+        assert "injected fault" in values["last_error"] and "injected fault" in status.message
+        assert float(values["last_error_age_s"]) >= 0 and int(values["requests_failed"]) >= 1
+
         again = client.generate(prompt="navigate to the kitchen", max_tokens=16)
         assert again[0] and again[2].success, again[2].message
-        _, values = _diagnostics(client_node, "/faulty/edgespec")
-        assert "injected fault" in values["last_error"] and int(values["requests_failed"]) >= 1
+        # A success clears the warning; the last error stays on record with its age.
+        _, values = wait_for_diagnostics(client_node, path, lambda s, _v: s.level == OK)
+        assert "injected fault" in values["last_error"] and float(values["last_error_age_s"]) >= 0
+
+        assert not client.generate(prompt=f"navigate {FAULT_MARKER}", max_tokens=200)[2].success
+        wait_for_diagnostics(client_node, path, lambda s, _v: s.level == WARN)
+        assert client.change_state("deactivate") and client.change_state("activate")
+        wait_for_diagnostics(client_node, path, lambda s, v: s.level == OK and v["state"] == "active")
         assert node.alive()
     finally:
         assert node.stop() == 0, node.log()

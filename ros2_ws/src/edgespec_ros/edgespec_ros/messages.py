@@ -93,9 +93,10 @@ def _text(v: object) -> str:
     return "" if v is None else str(v)
 
 
-def request_level(state: str, last_error: Optional[str], configure_error: Optional[str]) -> str:
+def request_level(state: str, failing: bool, configure_error: Optional[str]) -> str:
+    """ERROR: configure failed; WARN: not serving, or the last request failed; OK otherwise."""
     if configure_error:
         return "error"
-    if state != "active" or last_error:
+    if state != "active" or failing:
         return "warn"
     return "ok"

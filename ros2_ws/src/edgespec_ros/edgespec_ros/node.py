@@ -57,6 +57,8 @@ class EdgespecNode(LifecycleNode):
         self._in_flight = 0  # requests taken (service calls, accepted goals) and not yet answered
         self._counts = {"served": 0, "failed": 0, "rejected": 0}
         self._last_error: Optional[str] = None
+        self._last_error_at = 0.0  # time.monotonic() of the last error
+        self._failing = False  # the last request failed (WARN) until one succeeds or the node is re-activated
         self._configure_error: Optional[str] = None
         self._last_tau = 0.0
         self._memory_bytes = 0
@@ -101,6 +103,7 @@ class EdgespecNode(LifecycleNode):
 
     def on_activate(self, state: State) -> TransitionCallbackReturn:
         self._active = True
+        self._failing = False  # an operator re-activated the node: a new start, the old error stays on record
         self.get_logger().info("active: serving requests")
         return TransitionCallbackReturn.SUCCESS
 
@@ -293,6 +296,7 @@ class EdgespecNode(LifecycleNode):
     def _finished(self, stats) -> None:
         with self._lock:
             self._counts["served"] += 1
+            self._failing = False
             self._last_tau = float(stats.tau)
             self._memory_bytes = int(stats.memory_bytes) or self._memory_bytes
         self._stats_pub.publish(messages.stats_msg(stats))
@@ -301,6 +305,8 @@ class EdgespecNode(LifecycleNode):
         with self._lock:
             self._counts["failed"] += 1
             self._last_error = message.splitlines()[0]
+            self._last_error_at = time.monotonic()
+            self._failing = True
         self.get_logger().error(message)
 
     def _state_label(self) -> str:
@@ -358,7 +364,10 @@ class EdgespecNode(LifecycleNode):
         state = self._state_label()
         with self._lock:
             counts, last_error, tau = dict(self._counts), self._last_error, self._last_tau
-        message = self._configure_error or (f"{state}; last error: {last_error}" if last_error else state)
+            failing, error_age_s = self._failing, time.monotonic() - self._last_error_at
+        message = self._configure_error or state
+        if failing and not self._configure_error:
+            message = f"{state}; the last request failed {error_age_s:.1f} s ago: {last_error}"
         values = {
             "state": state,
             "bundle": self.p.bundle_path(),
@@ -372,10 +381,11 @@ class EdgespecNode(LifecycleNode):
             "requests_served": counts["served"],
             "requests_failed": counts["failed"],
             "goals_rejected": counts["rejected"],
-            "last_error": last_error or "",
+            "last_error": last_error or "",  # kept after a success, with its age; WARN only while failing
+            "last_error_age_s": error_age_s if last_error else "",
             "configure_error": self._configure_error or "",
         }
-        level = messages.request_level(state, last_error, self._configure_error)
+        level = messages.request_level(state, failing, self._configure_error)
         self._diag_pub.publish(messages.diagnostic_array(
             self.get_clock().now().to_msg(), f"edgespec: {self.get_fully_qualified_name()}",
             values["backend"] or "edgespec", level, message, values))
