@@ -38,6 +38,7 @@ SPECIAL_TOKENS: List[str] = TASK_TOKENS + ACTION_TOKENS
 ACTION_DIMS = 7  # dx dy dz droll dpitch dyaw gripper
 ACTION_CHUNK = 8  # actions per answer
 OBS_DIMS = 8  # ee x y z, ee yaw, gripper opening, goal x y z
+OBS_LIMIT = 10.0  # |value| in metres / radians / gripper opening: beyond it a value is not a robot's reading
 
 SKILLS: Dict[str, tuple] = {  # skill -> required argument names (other args are optional)
     "navigate": ("room",),
@@ -75,6 +76,11 @@ def action_prompt(instruction: str, observation: Union[Sequence[float], str]) ->
         if len(observation) != OBS_DIMS:
             raise RequestError("observation", f"has {len(observation)} values, expected {OBS_DIMS} "
                                               "(ee x y z, ee yaw, gripper, goal x y z)")
+        for i, v in enumerate(observation):
+            if not -OBS_LIMIT <= float(v) <= OBS_LIMIT:  # NaN fails too
+                raise RequestError("observation", f"observation[{i}] = {float(v):g} is outside [{-OBS_LIMIT:g}, "
+                                                  f"{OBS_LIMIT:g}] (metres, radians, gripper 0..1): send the "
+                                                  "robot's reading in these units")
         obs = format_observation(observation)
     return f"{BOS}{ACT}{instruction}{OBS}{obs}{SEP}"
 

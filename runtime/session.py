@@ -263,9 +263,10 @@ class Session:
                       num_actions: int = ACTION_CHUNK, params: GenerationParams = GenerationParams()) -> ActionResult:
         if isinstance(num_actions, bool) or not isinstance(num_actions, (int, np.integer)) or not 1 <= num_actions <= 64:
             raise RequestError("num_actions", f"must be an integer in [1, 64], got {num_actions!r}")
-        obs = observation_text if (observation_text and len(observation) == 0) else list(observation)
-        if not isinstance(obs, str) and any(not math.isfinite(float(v)) for v in obs):
-            raise RequestError("observation", "contains NaN or infinite values")
+        if observation_text and len(observation):
+            raise RequestError("observation_text", "is set and so is observation: send only one of them "
+                                                   "(observation: the numbers; observation_text: the same as text)")
+        obs = observation_text if observation_text else list(observation)  # the numbers are checked by the prompt
         ids = self.tokenizer.encode(action_prompt(instruction, obs))
         at = self.actions
         # Exactly num_actions * dims tokens, all restricted to action bins (the same mask on p and q).

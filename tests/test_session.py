@@ -50,6 +50,8 @@ def test_cancel_is_polled_during_generation(session):
     (lambda s: s.plan("go", params=GenerationParams(deadline_s=-1)), "deadline_s"),
     (lambda s: s.action_tokens("pick", [0.1] * 3), "observation"),
     (lambda s: s.action_tokens("pick", [math.nan] * OBS_DIMS), "observation"),
+    (lambda s: s.action_tokens("pick", [1e30] + [0.1] * (OBS_DIMS - 1)), "observation"),
+    (lambda s: s.action_tokens("pick", OBS, observation_text="cup 0.4 m ahead"), "observation_text"),
     (lambda s: s.action_tokens("pick", OBS, num_actions=0), "num_actions"),
     (lambda s: s.generate("x" * 5000, GenerationParams()), "prompt"),
     (lambda s: s.generate("x" * 5000, GenerationParams(max_tokens=0)), "prompt"),

@@ -113,6 +113,20 @@ def test_bad_requests_get_an_error_naming_the_field_and_the_node_keeps_serving(s
     assert node.alive()
 
 
+@pytest.mark.parametrize("fields, field, words", [
+    (dict(observation=[0.1] * 8, observation_text="cup 0.4 m ahead"), "observation_text", ("only one of",)),
+    (dict(observation=[1e30] + [0.1] * 7), "observation", ("observation[0]", "1e+30", "[-10, 10]")),
+    (dict(observation=[0.1] * 7 + [-50.0]), "observation", ("observation[7]", "[-10, 10]")),
+    (dict(observation=[0.1] * 3 + [float("nan")] + [0.1] * 4), "observation", ("observation[3]", "nan")),
+], ids=["both-set", "1e30", "-50", "nan"])
+def test_an_ambiguous_or_non_physical_observation_is_refused_naming_the_field_and_the_range(
+        served, fields, field, words):
+    client, _ = served
+    resp = client.action_tokens(instruction="pick up the cup", **fields)
+    assert not resp.success and resp.error_field == field, resp.message
+    assert all(w in resp.message for w in words), resp.message
+
+
 def test_a_generate_goal_with_an_empty_prompt_is_aborted_with_the_reason(served):
     client, _ = served
     accepted, status, result, _ = client.generate(prompt="")
