@@ -199,3 +199,29 @@ def test_after_the_shutdown_transition_requests_are_told_the_node_is_finalized(t
         wait_for_diagnostics(client_node, "/finalized/edgespec", lambda _s, v: v["state"] == "finalized")
     finally:
         assert node.stop() == 0, node.log()
+
+
+def test_cleanup_gives_the_model_memory_back_over_many_configure_cleanup_cycles(tiny_bundle, client_node, tmp_path):
+    def resident_bytes(pid: int) -> int:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    path = "/cycles/edgespec"
+    node = start_node(str(tmp_path), "/cycles", {"bundle": tiny_bundle, "autostart": False, "max_context": 32768,
+                                                 "diagnostics_period_s": 0.1})
+    try:
+        client = connect(client_node, node, path, state="unconfigured")
+        after_cleanup = []
+        for _ in range(8):
+            assert client.change_state("configure")
+            _, values = wait_for_diagnostics(client_node, path, lambda _s, v: v["state"] == "inactive")
+            model_bytes = int(values["memory_bytes"])
+            assert client.change_state("cleanup")
+            after_cleanup.append(resident_bytes(node.proc.pid))
+    finally:
+        assert node.stop() == 0, node.log()
+    growth = after_cleanup[-1] - after_cleanup[0]
+    # What cleanup kept would add up to a model per cycle (147 -> 289 MB on the zoo); allow a quarter of one.
+    assert growth < model_bytes / 4, (f"resident memory after cleanup grew {growth / 2**20:.1f} MiB over "
+                                      f"{len(after_cleanup)} cycles of a {model_bytes / 2**20:.1f} MiB model: "
+                                      f"{[round(b / 2**20) for b in after_cleanup]} MiB")

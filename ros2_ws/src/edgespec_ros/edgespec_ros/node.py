@@ -41,7 +41,7 @@ from edgespec_ros.parameters import declare_parameters
 from edgespec_ros.qos import REQUEST_QOS, action_qos_kwargs
 from edgespec_ros.request_queue import PRIORITY_ACTIONS, PRIORITY_NORMAL, GaveUp, QueueFull, RequestQueue
 from runtime.errors import EdgespecError, RequestError
-from runtime.session import GenerationParams, Session
+from runtime.session import GenerationParams, Session, return_large_blocks_on_free
 
 
 class EdgespecNode(LifecycleNode):
@@ -442,6 +442,7 @@ def _drain(executor, node: EdgespecNode, reason: str) -> None:
 
 def main(args=None) -> int:
     rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)  # our handler drains first
+    return_large_blocks_on_free()  # cleanup gives the model memory back, whichever thread configured it
     received = []
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda num, _frame: received.append(signal.Signals(num).name))
