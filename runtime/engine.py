@@ -29,15 +29,19 @@ class DecodeStats:
     tokens: int = 0  # tokens emitted (EOS excluded)
     target_forwards: int = 0  # prefill included
     cycles: int = 0  # verify forwards after the prefill
-    tau: float = 0.0  # mean accepted length: tokens per verify forward (accepted + 1); 1.0 = plain decoding
+    # tau: mean tokens committed per verify forward = sum over cycles of (accepted drafts + 1) / cycles; 1.0 =
+    # plain decoding. It measures the drafter, not the answer: the prefill's first token is not counted, and
+    # tokens a cycle verified after an EOS or past max_tokens are (so tokens <= 1 + tau * cycles).
+    tau: float = 0.0
     acceptance_by_depth: List[float] = field(default_factory=list)  # P(accepted length >= d | drafted depth >= d)
     tokens_per_s: float = 0.0
-    ttft_s: float = 0.0  # prefill + first token
-    prefill_s: float = 0.0
-    draft_s: float = 0.0
+    # The time split: prefill_s + draft_s + verify_s + other_s == wall_s (each instant in exactly one).
+    ttft_s: float = 0.0  # = prefill_s: the first token is sampled from the prefill's logits
+    prefill_s: float = 0.0  # prompt forward + sampling the first token
+    draft_s: float = 0.0  # drafter: begin, propose, accept
     verify_s: float = 0.0  # target forwards of the cycles
-    other_s: float = 0.0  # verification maths, sampling, callbacks, bookkeeping
-    wall_s: float = 0.0
+    other_s: float = 0.0  # the rest of wall_s: verification maths, sampling, callbacks, stop checks
+    wall_s: float = 0.0  # engine.generate, end to end
     memory_bytes: int = 0
     drafter: str = "none"
     backend: str = ""
@@ -148,7 +152,7 @@ class Engine:
         stats.tau = emitted_by_cycles / stats.cycles if stats.cycles else 0.0
         stats.acceptance_by_depth = [h / n for h, n in zip(depth_hit, depth_tried)]
         stats.tokens_per_s = len(out) / stats.wall_s if stats.wall_s > 0 else 0.0
-        stats.other_s = max(0.0, stats.wall_s - stats.prefill_s - stats.draft_s - stats.verify_s)
+        stats.other_s = stats.wall_s - stats.prefill_s - stats.draft_s - stats.verify_s  # spans never overlap
         return DecodeOutput(tokens=out, finish_reason=finish, stats=stats)
 
     def _prefill(self, prompt: List[int], params: SamplingParams, rng: np.random.Generator):

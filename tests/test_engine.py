@@ -162,3 +162,45 @@ def test_ngram_lookup_proposes_what_followed_the_latest_match():
     assert find_continuations([1, 2, 3], max_n=2, min_n=1, k=2, branches=1) == []
     tree = tree_from_branches([[8, 1], [8, 2]])
     assert tree.tokens.tolist() == [8, 1, 2] and tree.parents.tolist() == [-1, 0, 0]
+
+
+class TickingClock:
+    """A stand-in for the time module whose clock moves 1 s per reading: every span the engine measures is
+    a whole number of seconds, so its time split can be checked for exact equality."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
+
+    monotonic = perf_counter
+
+
+@pytest.mark.parametrize("kind", ["none", "ngram", "draft_model"])
+def test_prefill_draft_verify_and_other_time_add_up_to_the_wall_time(model, monkeypatch, kind):
+    import runtime.engine as engine_module
+
+    spec, weights = model
+    engine = make_engine(spec, weights, kind, perturbed(weights, 0.3), k=3)
+    monkeypatch.setattr(engine_module, "time", TickingClock())
+    s = engine.generate(prompts(spec)[1], GREEDY, MAX_TOKENS, on_tokens=lambda batch: None).stats
+    assert s.prefill_s + s.draft_s + s.verify_s + s.other_s == s.wall_s
+    assert min(s.prefill_s, s.verify_s, s.other_s) > 0 and s.draft_s >= 0
+    assert s.ttft_s == s.prefill_s and s.tokens_per_s == s.tokens / s.wall_s
+    assert (s.draft_s > 0) == (kind != "none")
+
+
+def test_tau_counts_every_token_a_cycle_verified_even_those_after_eos(model, plain_outputs):
+    """An identical draft (k=4) makes each cycle commit 5 tokens. With EOS in the middle of the first cycle's
+    5, the output stops there, yet tau stays 5: it measures the drafter (tokens per target verify forward,
+    the prefill's first token excluded), not the length of the answer."""
+    spec, weights = model
+    expected = plain_outputs[0]
+    cut = next(i for i in range(2, 5) if expected[i] not in expected[:i])  # EOS inside cycle 1 (tokens 1..5)
+    engine = make_engine(spec, weights, "draft_model", weights, k=4)
+    engine.eos = {expected[cut]}
+    out = engine.generate(prompts(spec)[0], GREEDY, MAX_TOKENS)
+    assert out.finish_reason == "eos" and out.tokens == expected[:cut]
+    assert out.stats.cycles == 1 and out.stats.tau == 5.0
