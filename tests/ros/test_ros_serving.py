@@ -34,6 +34,10 @@ def test_plan_service_answers_with_text_parse_verdict_and_speculative_stats(serv
     s = resp.stats
     assert 1 <= s.tokens <= 16 and s.target_forwards >= 1 and s.tau >= 1.0
     assert s.drafter == "draft_model" and s.backend and s.memory_bytes > 0 and s.tokens_per_s > 0
+    # The time split adds up to the wall time (float32 fields), and tau is per verify forward (cycles).
+    assert s.prefill_s + s.draft_s + s.verify_s + s.other_s == pytest.approx(s.wall_s, rel=1e-5)
+    assert s.tokens_per_s == pytest.approx(s.tokens / s.wall_s, rel=1e-5) and s.ttft_s == s.prefill_s
+    assert s.target_forwards == s.cycles + 1 and s.tokens <= 1 + round(s.tau * s.cycles)
 
 
 def test_action_tokens_service_returns_ids_and_actions_of_the_requested_shape(served):

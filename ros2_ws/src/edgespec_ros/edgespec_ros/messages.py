@@ -25,13 +25,16 @@ def stats_msg(stats, queue_s: float = 0.0, drafter: str = "", backend: str = "")
         return msg
     msg.tokens = min(int(stats.tokens), UINT32_MAX)
     msg.target_forwards = min(int(stats.target_forwards), UINT32_MAX)
+    msg.cycles = min(int(stats.cycles), UINT32_MAX)
     msg.tau = _f32(stats.tau)
     msg.acceptance_by_depth = [_f32(a) for a in stats.acceptance_by_depth]
     msg.tokens_per_s = _f32(stats.tokens_per_s)
     msg.ttft_s = _f32(stats.ttft_s)
+    msg.prefill_s = _f32(stats.prefill_s)
     msg.draft_s = _f32(stats.draft_s)
     msg.verify_s = _f32(stats.verify_s)
     msg.other_s = _f32(stats.other_s)
+    msg.wall_s = _f32(stats.wall_s)
     msg.memory_bytes = max(0, int(stats.memory_bytes))
     msg.drafter = stats.drafter or drafter
     msg.backend = stats.backend or backend
