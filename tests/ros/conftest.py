@@ -81,10 +81,11 @@ def client_node(rclpy_session, request):
 class NodeProcess:
     """An edgespec node running as its own process; its output goes to `log_path`."""
 
-    def __init__(self, args: List[str], log_path: str, cwd: str = ROOT):
+    def __init__(self, args: List[str], log_path: str, cwd: str = ROOT, env: Optional[Dict[str, str]] = None):
         self.log_path = log_path
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd, env=dict(os.environ))
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd,
+                                     env={**os.environ, **(env or {})})
 
     def log(self) -> str:
         with open(self.log_path) as f:
@@ -112,13 +113,14 @@ def write_params(path: str, params: Dict[str, object]) -> str:
 
 
 def start_node(tmp_dir: str, namespace: str, params: Dict[str, object],
-               module: str = "edgespec_ros.node", script: Optional[str] = None) -> NodeProcess:
+               module: str = "edgespec_ros.node", script: Optional[str] = None,
+               env: Optional[Dict[str, str]] = None) -> NodeProcess:
     """Start a node named `edgespec` in `namespace` with `params` given as a params file."""
     tag = namespace.strip("/").replace("/", "_")
     params_file = write_params(os.path.join(tmp_dir, f"{tag}_params.yaml"), params)
     entry = [script] if script else ["-m", module]
     args = [sys.executable, "-u", *entry, "--ros-args", "-r", f"__ns:={namespace}", "--params-file", params_file]
-    return NodeProcess(args, os.path.join(tmp_dir, f"{tag}_node.log"))
+    return NodeProcess(args, os.path.join(tmp_dir, f"{tag}_node.log"), env=env)
 
 
 def connect(client_node, node: NodeProcess, path: str, state: Optional[str] = "active", timeout_s: float = 60.0):
