@@ -134,7 +134,9 @@ def connect(client_node, node: NodeProcess, path: str, state: Optional[str] = "a
         if state:
             client.wait_until_state(state, max(1.0, deadline - time.monotonic()))
     except TimeoutError as exc:
-        raise AssertionError(f"{exc}; node alive={node.alive()}; its log:\n{node.log()}") from None
+        alive = node.alive()
+        node.stop()  # the caller's fixture never gets to stop it
+        raise AssertionError(f"{exc}; node alive={alive}; its log:\n{node.log()}") from None
     return client
 
 
