@@ -1,4 +1,5 @@
-"""`edgespec zoo build|report`: build the embedded default models, or measure their quality."""
+"""`edgespec zoo build|report|standin`: build the embedded default models, measure their quality, or widen the
+target into the memory-bound stand-in."""
 from __future__ import annotations
 
 import argparse
@@ -30,12 +31,41 @@ def _report(args) -> int:
     return 0
 
 
+def _standin(args) -> int:
+    import time
+
+    from export.zoo.standin import write_standin
+    from export.zoo.train import DEFAULT_OUT
+
+    zoo = args.zoo or DEFAULT_OUT
+    t0 = time.perf_counter()
+    params = write_standin(os.path.join(zoo, "target"), args.out, args.hidden, args.intermediate, args.kv_heads)
+    print(f"standin: {args.out}: {params / 1e6:.1f} M params ({4 * params / 1e6:.0f} MB fp32), "
+          f"written in {time.perf_counter() - t0:.1f} s")
+    if args.bundle:
+        from export.bundle_builder import build_bundle
+        from export.onnx import add_onnx_to_bundle
+
+        name = os.path.basename(os.path.normpath(os.path.abspath(args.bundle)))
+        name = name if "standin" in name else name + "-standin"  # `edgespec bench` labels rows by this name
+
+        def add_onnx(staged: str) -> None:
+            if not args.no_onnx:
+                files = add_onnx_to_bundle(staged, "fp32", None, validate=True)
+                print(f"standin: added {', '.join(files)} ({time.perf_counter() - t0:.0f} s)")
+
+        build_bundle(args.out, args.bundle, os.path.join(zoo, "draft"), name=name, force=args.force,
+                     extend=add_onnx)
+        print(f"standin: bundle {args.bundle} (name {name}) ready in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
 def register(sub) -> None:
     p = sub.add_parser("zoo", help="build or report on the embedded default models (the zoo)",
                        description="The zoo: a small Llama target with a DeepSeek-V3 MTP module and a distilled "
                                    "draft model, trained here on generated robot-planner / action-token data and "
                                    "Shakespeare. Shipped in zoo/ (fp16, HF checkpoint dirs).")
-    zsub = p.add_subparsers(dest="zoo_command", metavar="<build|report>")
+    zsub = p.add_subparsers(dest="zoo_command", metavar="<build|report|standin>")
     zsub.required = True
     b = zsub.add_parser("build", help="generate data, train tokenizer, target (+MTP) and draft; write the zoo",
                         description="Runs the whole pipeline on the CPU (about 55 minutes; --quick: the same "
@@ -59,3 +89,20 @@ def register(sub) -> None:
     r.add_argument("-n", type=int, default=200, help="held-out examples per domain to greedy-decode (default 200)")
     r.add_argument("--no-write", action="store_true", help="print only; leave MANIFEST.yaml unchanged")
     r.set_defaults(func=_report)
+    s = zsub.add_parser("standin", help="widen the zoo target into a memory-bound stand-in that predicts the same",
+                        description="Pads the zoo target (and its MTP module) with zero-contribution weights so a "
+                                    "forward streams the bytes of a ~125 M-parameter model (hidden 1024, SwiGLU 4096, "
+                                    "32 query / 8 KV heads: ~500 MB fp32) while its logits stay the zoo target's "
+                                    "(norm weights and eps rescaled to the new width). Writes an HF checkpoint to "
+                                    "--out and, with --bundle, a bundle (zoo/draft as its draft model, ONNX graphs "
+                                    "added) whose name contains 'standin', so benchmarks label it. "
+                                    "Example: edgespec zoo standin --out build/standin --bundle build/bundles/zoo-standin")
+    s.add_argument("--out", required=True, help="directory for the widened HF checkpoint")
+    s.add_argument("--zoo", default=None, help="zoo directory holding target/ and draft/ (default: the repo's zoo/)")
+    s.add_argument("--hidden", type=int, default=1024, help="new hidden size, a multiple of head_dim (default 1024)")
+    s.add_argument("--intermediate", type=int, default=4096, help="new SwiGLU intermediate size (default 4096)")
+    s.add_argument("--kv-heads", type=int, default=8, help="new KV heads; query heads are hidden / head_dim (default 8)")
+    s.add_argument("--bundle", default=None, help="also build a bundle here from --out and the zoo draft")
+    s.add_argument("--no-onnx", action="store_true", help="with --bundle: numpy_ref only, no ONNX graphs")
+    s.add_argument("--force", action="store_true", help="replace the edgespec bundle already at --bundle")
+    s.set_defaults(func=_standin)

@@ -1,0 +1,130 @@
+"""The memory-bound stand-in: the zoo target widened with zero-contribution padding, so that a forward
+streams the bytes of a ~125 M-parameter model while the logits stay the zoo target's.
+
+The zoo target (7 M params, 28 MB fp32) sits in cache on a CPU, where a forward is fixed overhead and
+speculation pays least; a robot's 0.6-8 B target is memory-bound. The stand-in costs like the latter and
+predicts like the former, so drafters keep their trained acceptance while the verify pass pays for
+weight traffic. Every padded weight is zero, so the arithmetic is the original's plus exact zeros:
+
+  hidden H -> H'       embedding columns H..H' are zero, so every residual stream is [x, 0]
+  RMSNorm              over [x, 0], mean(x^2) shrinks by H/H': weight x sqrt(H/H') and eps x H/H' give
+                       w' * [x,0] / sqrt(mean'(x^2) + eps') == [w * x / sqrt(mean(x^2) + eps), 0]
+  intermediate I -> I' gate/up rows and down columns I..I' are zero: silu(0) * 0 = 0
+  heads                head_dim unchanged; heads' = H' / head_dim query heads, `kv_heads` KV heads.
+                       Original KV head j stays KV head j; original query head i (group i // g) goes to
+                       slot i % g of new group i // g (g = the original group size). Every other q/k/v row
+                       is zero; the padded query heads attend uniformly, but their o_proj columns are zero
+  MTP (DeepSeek-V3)    enorm / hnorm / shared_head.norm as above; eh_proj [H, 2H] -> [H', 2H'] with the
+                       embedding half at columns 0..H and the hidden half at H'..H'+H
+
+Worked example (H 256 -> 1024, 8 q / 4 KV heads -> 32 / 8, g = 2, new group size 4): original query head 5
+(KV head 2) becomes query head 4 * 2 + 1 = 9, which reads KV head 9 // 4 = 2."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from typing import Dict, Tuple
+
+import numpy as np
+
+from export.hf_reader import read_hf_checkpoint
+from runtime.errors import ConfigError
+from runtime.tensors import write_safetensors
+
+NORM_SUFFIXES = ("layernorm.weight", "norm.weight")  # input_/post_attention_layernorm, model.norm, enorm, hnorm
+
+
+def _pad(w: np.ndarray, shape: Tuple[int, ...]) -> np.ndarray:
+    """w (float32) in the top-left corner of a zero array of `shape`."""
+    out = np.zeros(shape, np.float32)
+    out[tuple(slice(0, n) for n in w.shape)] = w
+    return out
+
+
+def head_slots(num_heads: int, num_kv: int, new_kv: int, new_heads: int) -> np.ndarray:
+    """New index of each original query head: slot i % g of group i // g, each group keeping its KV head.
+
+    >>> head_slots(8, 4, 8, 32).tolist()
+    [0, 1, 4, 5, 8, 9, 12, 13]"""
+    g, new_g = num_heads // num_kv, new_heads // new_kv
+    i = np.arange(num_heads)
+    return (i // g) * new_g + i % g
+
+
+def check_widening(config: dict, hidden: int, intermediate: int, kv_heads: int) -> None:
+    """A ConfigError naming the flag unless the widening keeps every original head and channel."""
+    h, inter, d = config["hidden_size"], config["intermediate_size"], config.get("head_dim") or \
+        config["hidden_size"] // config["num_attention_heads"]
+    nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
+    if hidden < h or hidden % d:
+        raise ConfigError(f"--hidden: got {hidden}, expected a multiple of head_dim {d} that is >= {h}")
+    if intermediate < inter:
+        raise ConfigError(f"--intermediate: got {intermediate}, expected >= {inter}")
+    new_heads = hidden // d
+    if kv_heads < nkv or new_heads % kv_heads or new_heads // kv_heads < nh // nkv:
+        raise ConfigError(f"--kv-heads: got {kv_heads}, expected >= {nkv} dividing {new_heads} query heads into "
+                          f"groups of >= {nh // nkv}")
+
+
+def widen(weights: Dict[str, np.ndarray], config: dict, hidden: int, intermediate: int,
+          kv_heads: int) -> Tuple[Dict[str, np.ndarray], dict]:
+    """(HF-named float32 weights, HF config) of the stand-in; see the module docstring for the rules."""
+    check_widening(config, hidden, intermediate, kv_heads)
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    d = config.get("head_dim") or h // config["num_attention_heads"]
+    nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
+    new_heads = hidden // d
+    slots = head_slots(nh, nkv, kv_heads, new_heads)
+    q_rows = (slots[:, None] * d + np.arange(d)).reshape(-1)  # (nh*d,) rows of q_proj / columns of o_proj
+    scale = math.sqrt(h / hidden)
+    out = {}
+    for name, w in weights.items():
+        w = np.asarray(w, np.float32)
+        if name.endswith(NORM_SUFFIXES):
+            out[name] = _pad(w * np.float32(scale), (hidden,))
+        elif name.endswith("embed_tokens.weight") or name == "lm_head.weight":
+            out[name] = _pad(w, (w.shape[0], hidden))
+        elif name.endswith("q_proj.weight"):
+            q = np.zeros((new_heads * d, hidden), np.float32)
+            q[q_rows, :h] = w
+            out[name] = q
+        elif name.endswith(("k_proj.weight", "v_proj.weight")):
+            out[name] = _pad(w, (kv_heads * d, hidden))  # KV head j stays KV head j
+        elif name.endswith("o_proj.weight"):
+            o = np.zeros((hidden, new_heads * d), np.float32)
+            o[:h, q_rows] = w
+            out[name] = o
+        elif name.endswith(("gate_proj.weight", "up_proj.weight")):
+            out[name] = _pad(w, (intermediate, hidden))
+        elif name.endswith("down_proj.weight"):
+            out[name] = _pad(w, (hidden, intermediate))
+        elif name.endswith("eh_proj.weight"):  # [H, 2H] over concat[enorm(emb), hnorm(h)]
+            e = np.zeros((hidden, 2 * hidden), np.float32)
+            e[:h, :h], e[:h, hidden:hidden + h] = w[:, :h], w[:, h:]
+            out[name] = e
+        else:
+            raise ConfigError(f"{name}: no widening rule for this tensor (shape {w.shape}); the stand-in handles "
+                              "Llama layers and DeepSeek-V3 MTP modules")
+    cfg = dict(config, hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=new_heads,
+               num_key_value_heads=kv_heads, head_dim=d, rms_norm_eps=config["rms_norm_eps"] * h / hidden,
+               torch_dtype="float32")
+    cfg["edgespec_standin"] = {"widened_from": {"hidden_size": h, "intermediate_size": inter,
+                                                "num_attention_heads": nh, "num_key_value_heads": nkv},
+                               "note": "zero-contribution padding: predicts what the original predicts"}
+    return out, cfg
+
+
+def write_standin(src: str, out: str, hidden: int = 1024, intermediate: int = 4096, kv_heads: int = 8) -> int:
+    """Write the widened HF checkpoint of `src` (config.json, model.safetensors fp32, tokenizer.json) to `out`.
+    Returns its parameter count."""
+    ckpt = read_hf_checkpoint(src)
+    weights, cfg = widen(ckpt.weights, ckpt.config, hidden, intermediate, kv_heads)
+    os.makedirs(out, exist_ok=True)
+    write_safetensors(os.path.join(out, "model.safetensors"), weights, metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    if ckpt.tokenizer_file:
+        shutil.copyfile(ckpt.tokenizer_file, os.path.join(out, "tokenizer.json"))
+    return sum(w.size for w in weights.values())
