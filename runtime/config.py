@@ -27,7 +27,9 @@ def limits(default: Any = dataclasses.MISSING, *, min=None, max=None, choices=No
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    budget_mb: float = limits(0.0, min=0.0, doc="KV budget shared by target and drafter; 0 = size it from max_context")
+    budget_mb: float = limits(0.0, min=0.0, doc="MiB the whole process may hold (weights, KV, scratch, runtime: "
+                                                "runtime/memory.py plans it); the KV arena gets what is left; "
+                                                "0 = no budget, size the arena from max_context")
     max_context: int = limits(2048, min=16, max=1 << 20, doc="positions the KV cache holds per model")
 
 

@@ -8,7 +8,7 @@ after a tree verify only the accepted rows are moved, once, to be contiguous."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, Sequence
 
 import numpy as np
 
@@ -110,9 +110,3 @@ class KVArena:
         """An arena exactly big enough for every named model to hold `max_positions` rows."""
         per_pos = sum(s.floats_per_position for s in shapes.values())
         return KVArena(2 * per_pos * max_positions * np.dtype(dtype).itemsize, dtype)
-
-    @staticmethod
-    def positions_for_budget(shapes: List[CacheShape], budget_bytes: int, dtype=np.float32) -> int:
-        """How many positions every model can hold when they share `budget_bytes`."""
-        per_pos = 2 * sum(s.floats_per_position for s in shapes) * np.dtype(dtype).itemsize
-        return int(budget_bytes // per_pos)

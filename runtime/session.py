@@ -14,6 +14,7 @@ from typing import Callable, List, Optional, Sequence
 import numpy as np
 
 from runtime import bundle as bundle_io
+from runtime import memory
 from runtime.actions import ActionTokenizer
 from runtime.backends.factory import load_weights, open_model, resolve_backend
 from runtime.backends.numpy_ref import cache_shape
@@ -25,7 +26,7 @@ from runtime.drafters.draft_model import DraftModelDrafter
 from runtime.drafters.mtp import MTPDrafter, mtp_cache_shape
 from runtime.drafters.ngram import NgramDrafter
 from runtime.engine import DecodeStats, Engine, StopCheck
-from runtime.errors import BundleError, RequestError
+from runtime.errors import BudgetExceeded, BundleError, RequestError
 from runtime.kv import KVArena
 from runtime.prompts import ACTION_CHUNK, EOS, action_prompt, parse_plan, plan_objects, planner_prompt
 from runtime.sampling import SamplingParams
@@ -165,22 +166,25 @@ class Session:
         if name not in DRAFTER_CHOICES and name not in b.drafters:
             raise RequestError("drafter", f"unknown drafter {name!r}; choose one of "
                                           f"{sorted(set(DRAFTER_CHOICES) | set(b.drafters))}")
-        shapes = {"target": cache_shape(spec)}
-        entry = b.drafters.get(name)
-        if entry is not None and entry.spec is not None:
-            shapes["draft"] = cache_shape(entry.spec)
-        if entry is not None and entry.kind == "mtp":
-            shapes["mtp"] = mtp_cache_shape(spec)
+        # The plan (runtime/memory.py) sizes the arena; an over-budget session is refused before any allocation.
+        shapes = memory.bundle_cache_shapes(b, name)
+        self.plan_inputs = memory.bundle_inputs(b, name, backend.kind,
+                                                config.drafter.num_tokens * config.drafter.branching + 1)
         positions = config.memory.max_context
-        if config.memory.budget_mb > 0:
-            positions = min(positions, KVArena.positions_for_budget(list(shapes.values()),
-                                                                    int(config.memory.budget_mb * 2**20)))
-        # The arena's dtype is the K/V dtype of the backend's graphs (fp16 ONNX graphs keep an fp16 cache).
+        self.budget_bytes = int(config.memory.budget_mb * 2**20)
+        if self.budget_bytes > 0:
+            fit = memory.max_context(self.plan_inputs, self.budget_bytes)
+            if fit < memory.MIN_CONTEXT:
+                raise BudgetExceeded(memory.over_budget(self.plan_inputs, self.budget_bytes, memory.MIN_CONTEXT,
+                                                        "this bundle"))
+            positions = min(positions, fit)
+        # A request longer than this is refused by the budget (not by max_context) before it runs.
+        self.budget_positions = positions if self.budget_bytes > 0 and positions < config.memory.max_context else None
         files = b.target_files(backend.kind)
         # (numpy drafters sharing an fp16 arena read it upcast; only the drafter's precision is affected, not exactness)
-        kv_dtype = np.float16 if files.params.get("precision") == "fp16" else np.float32
+        kv_dtype = np.float16 if memory.bundle_kv_bytes(b, backend.kind) == 2 else np.float32
         # + drafted rows: a drafter's cache holds the context plus the branch it is drafting
-        self.arena = KVArena.for_context(shapes, positions + 64, dtype=kv_dtype)
+        self.arena = KVArena.for_context(shapes, positions + memory.DRAFT_SLACK, dtype=kv_dtype)
         cache = self.arena.allocate("target", shapes["target"], positions)
         self.target = open_model(b, spec, files, backend, cache)
         self.drafter = build_drafter(name, b, backend, self.arena, positions, config.drafter.num_tokens,
@@ -236,6 +240,10 @@ class Session:
                      should_stop: Optional[Callable[[], bool]] = None):
         """Decode after token ids; returns (text, ids, finish_reason, stats)."""
         params.check()
+        need = len(prompt_ids) + params.max_tokens
+        if self.budget_positions is not None and need > self.budget_positions and isinstance(params.max_tokens, int):
+            raise BudgetExceeded(memory.over_budget(self.plan_inputs, self.budget_bytes, need,
+                                                    f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens})"))
         start = time.monotonic()
         decoder = StreamDecoder(self.tokenizer)
         state = {"n": 0, "stopped": False}

@@ -1,0 +1,188 @@
+"""`edgespec memory plan` / `edgespec memory profile`: what fits on a device, and the plan checked against
+the process's measured peak. The arithmetic is runtime/memory.py; this only reads inputs and prints."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from runtime import memory
+from runtime.commands.common import edgespec_root, runtime_config
+from runtime.config import override
+from runtime.errors import BundleError, ConfigError
+from runtime.session import GenerationParams, Session
+
+HELP = """Plan memory for a target + drafter on a device, or measure a bundle's peak against its plan.
+
+examples:
+  edgespec memory plan --config configs/models/qwen3-8b.json --drafter-config configs/models/qwen3-8b-eagle3.json \\
+      --device orin_nx_16gb --precision int4
+  edgespec memory plan --bundle build/bundles/zoo --device this_machine --budget 80% --json
+  edgespec memory profile --bundle build/bundles/zoo --context 1024 --backend onnx
+"""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("memory", help="memory plan for a device (what fits, max context) and measured peak vs plan",
+                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cmds = p.add_subparsers(dest="memory_command", metavar="<plan|profile>")
+    cmds.required = True
+    plan = cmds.add_parser("plan", help="rows of the budget, max context and verdict for a device")
+    src = plan.add_mutually_exclusive_group(required=True)
+    src.add_argument("--bundle", help="a bundle directory (plans it as the Session loads it)")
+    src.add_argument("--config", help="the target's HF config.json (e.g. configs/models/qwen3-1.7b.json)")
+    plan.add_argument("--drafter-config", help="a drafter's HF config.json (a draft model or an EAGLE-3 head)")
+    plan.add_argument("--drafter", help="with --bundle: the bundle drafter to plan (default: the bundle's)")
+    plan.add_argument("--backend", choices=["numpy_ref", "onnx"], default="onnx",
+                      help="with --bundle: the backend it runs on (default onnx)")
+    add_device_args(plan)
+    plan.add_argument("--precision", choices=["fp16", "int8", "int4"], default="fp16",
+                      help="with --config: decoder-layer weight precision (default fp16)")
+    plan.add_argument("--head-precision", choices=["fp16", "int8", "int4"], default="fp16",
+                      help="with --config: embedding and LM head precision (default fp16, as int4 runtimes keep it)")
+    plan.add_argument("--context", type=int, help="plan the rows at this context (default: the longest that fits)")
+    plan.add_argument("--num-draft", type=int, default=4, help="draft tokens per cycle (verify tree size), default 4")
+    plan.add_argument("--prefill-chunk", type=int, default=256,
+                      help="with --config: tokens per prefill forward (default 256)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.set_defaults(func=run_plan)
+    prof = cmds.add_parser("profile", help="load a bundle, run a request at a context, compare the peak to the plan")
+    prof.add_argument("--bundle", help="bundle directory (default: the zoo)")
+    prof.add_argument("--backend", choices=["auto", "numpy_ref", "onnx"], help="backend (default auto)")
+    prof.add_argument("--drafter", help="drafter (default: the bundle's)")
+    prof.add_argument("--context", type=int, default=1024, help="positions: the prompt fills them but --max-tokens")
+    prof.add_argument("--max-tokens", type=int, default=32, help="tokens generated after the prompt (default 32)")
+    prof.add_argument("--device", default="this_machine", help="device profile for the roofline (default this_machine)")
+    prof.add_argument("--json", action="store_true", help="print one JSON object")
+    prof.set_defaults(func=run_profile, config=None)
+
+
+def add_device_args(p) -> None:
+    p.add_argument("--device", default="this_machine",
+                   help="a profile in configs/devices (orin_nano_8gb, orin_nx_16gb, agx_orin_64gb, ...) or a YAML path")
+    p.add_argument("--budget", help="bytes (5.5GB, 5GiB, 5632MiB) or a share of MemAvailable here (80%%); "
+                                    "default: the device's memory less its reserved_mb")
+
+
+def devices_dir() -> str:
+    return os.path.join(edgespec_root(), "configs", "devices")
+
+
+def _positive(flag: str, value) -> None:
+    if value is not None and value < 1:
+        raise ConfigError(f"{flag}: got {value}, expected an integer >= 1")
+
+
+def plan_inputs(args) -> memory.PlanInputs:
+    _positive("--num-draft", args.num_draft)
+    if args.bundle:
+        from runtime import bundle as bundle_io
+        if not os.path.isdir(args.bundle):
+            raise BundleError(f"--bundle: {args.bundle}: no such directory; give a bundle directory (`make bundles` "
+                              "builds build/bundles/zoo)")
+        b = bundle_io.load(args.bundle, verify_checksums=False)
+        drafter = args.drafter or b.default_drafter
+        return memory.bundle_inputs(b, drafter, args.backend, args.num_draft + 1)
+    _positive("--prefill-chunk", args.prefill_chunk)
+    draft = memory.read_hf_config(args.drafter_config) if args.drafter_config else None
+    return memory.PlanInputs(target=memory.read_hf_config(args.config), drafter=draft, precision=args.precision,
+                             head_precision=args.head_precision, tree_tokens=args.num_draft + 1,
+                             prefill_tokens=args.prefill_chunk)
+
+
+def run_plan(args) -> int:
+    device = memory.load_device(args.device, devices_dir())
+    budget = memory.parse_budget(args.budget) if args.budget else memory.device_budget(device)
+    inp = plan_inputs(args)
+    _positive("--context", args.context)
+    plan = memory.make_plan(inp, budget, args.context)
+    levers = memory.levers(inp, budget, plan.context)
+    roof = memory.projected_decode(inp, plan.context, device.bandwidth_gbs)
+    verdict = (f"fits: max context {plan.max_context}" if plan.fits and plan.max_context >= memory.MIN_CONTEXT
+               else f"does NOT fit: needs {memory.budget_needed(inp, plan.context) / memory.GiB:.2f} GiB at "
+                    f"{plan.context} positions")
+    if args.json:
+        print(json.dumps({"device": device.name, "verdict": verdict, **plan.to_dict(), "levers": levers,
+                          "projection": roof}))
+        return 0 if plan.fits else 1
+    src = args.bundle or args.config + (f" + {args.drafter_config}" if args.drafter_config else "")
+    print(f"memory plan: {src} on {device.name}, budget {budget / memory.GiB:.2f} GiB, at {plan.context} positions")
+    print(f"{'row':26s} {'MiB':>10s} {'share':>7s}  note")
+    for r in plan.rows:
+        print(f"{r.name:26s} {r.bytes / memory.MiB:10.1f} {r.bytes / budget:7.1%}  {r.note}")
+    print(f"{'total':26s} {plan.total / memory.MiB:10.1f} {plan.total / budget:7.1%}")
+    print(f"verdict: {verdict}")
+    if levers:
+        top = levers[0]
+        print(f"biggest lever: {top['lever']} frees {top['frees_bytes'] / memory.GiB:.2f} GiB "
+              f"(max context {top['max_context']})")
+    print(f"projection (bandwidth bound, not measured): plain decode <= {roof['plain_tok_s_bound']:.1f} tok/s at "
+          f"{device.bandwidth_gbs:g} GB/s, {roof['bytes_per_token'] / 1e9:.2f} GB read per token, LM head "
+          f"{roof['lm_head_share']:.0%} of it")
+    return 0 if plan.fits else 1
+
+
+def process_memory() -> dict:
+    """VmRSS and VmHWM (peak resident) of this process, bytes."""
+    with open("/proc/self/status") as f:
+        return {l.split(":")[0]: int(l.split()[1]) * 1024 for l in f if l.startswith(("VmRSS", "VmHWM"))}
+
+
+def run_profile(args) -> int:
+    if args.context is None or args.context < memory.MIN_CONTEXT or args.max_tokens < 1 \
+            or args.max_tokens >= args.context:
+        raise ConfigError(f"--context/--max-tokens: got {args.context}/{args.max_tokens}; expected a context >= "
+                          f"{memory.MIN_CONTEXT} and 1 <= max-tokens < context")
+    device = memory.load_device(args.device, devices_dir())
+    start = process_memory()
+    cfg = runtime_config(args)
+    cfg = override(cfg, "memory.max_context", args.context, "--context")
+    session = Session(cfg)
+    loaded = process_memory()
+    text = "<|bos|><|text|>" + "the robot picks up the red cup and places it on the table. " * (args.context // 4)
+    ids = session.tokenizer.encode(text)[:args.context - args.max_tokens]
+    t0 = time.monotonic()
+    _, tokens, _, stats = session.generate_ids(ids, GenerationParams(max_tokens=args.max_tokens))
+    wall = time.monotonic() - t0
+    end = process_memory()
+    plan = memory.make_plan(session.plan_inputs, max(session.budget_bytes, 1), args.context)
+    planned = plan.total - plan.row("headroom")
+    measured = {"target weights": getattr(session.target, "weight_bytes", None),
+                "drafter weights": session.drafter.memory_bytes if session.drafter else None,
+                "runtime overhead": start["VmRSS"]}
+    kv_planned = plan.row("target KV") + plan.row("drafter KV")
+    roof = memory.projected_decode(session.plan_inputs, args.context, device.bandwidth_gbs, tau=stats.tau,
+                                   num_draft=cfg.drafter.num_tokens)
+    record = {"bundle": cfg.bundle, "backend": session.backend_name, "drafter": session.drafter_kind,
+              "context": args.context, "prompt_tokens": len(ids), "generated": len(tokens), "wall_s": wall,
+              "tau": stats.tau, "planned_peak_bytes": planned, "measured_peak_bytes": end["VmHWM"],
+              "unaccounted_bytes": end["VmHWM"] - planned, "rss_after_load_bytes": loaded["VmRSS"],
+              "kv_arena_bytes": session.arena.capacity_bytes, "kv_planned_bytes": kv_planned,
+              "rows": plan.to_dict()["rows"], "projection": roof, "device": device.name}
+    if args.json:
+        print(json.dumps(record))
+        return 0
+    print(f"memory profile: {cfg.bundle} backend={session.backend_name} drafter={session.drafter_kind} "
+          f"context={args.context} (prompt {len(ids)} + {len(tokens)} generated, {wall:.1f} s, tau {stats.tau:.2f})")
+    print(f"{'row':26s} {'planned MiB':>12s} {'measured MiB':>13s} {'unaccounted':>12s}")
+    weights = plan.row("target weights") + plan.row("target embedding + head")
+    compare = [("target weights", weights, getattr(session.target, "weight_bytes", None)),
+               ("drafter weights", plan.row("drafter weights"), session.drafter.memory_bytes if session.drafter else 0),
+               ("KV arena", kv_planned, session.arena.capacity_bytes),
+               ("forward scratch", plan.row("forward scratch"), None),
+               ("runtime overhead", plan.row("runtime overhead"), start["VmRSS"]),
+               ("peak (VmHWM)", planned, end["VmHWM"])]
+    for name, want, got in compare:
+        m = f"{got / memory.MiB:13.1f} {(got - want) / memory.MiB:+12.1f}" if got is not None else ""
+        print(f"{name:26s} {want / memory.MiB:12.1f} {m}")
+    gap = end["VmHWM"] - planned
+    print(f"peak: measured {gap / planned:+.1%} of the plan (weights as the backend reports them; runtime overhead "
+          "measured = resident size before loading)")
+    print(f"resident after load {loaded['VmRSS'] / memory.MiB:.1f} MiB; at the start {start['VmRSS'] / memory.MiB:.1f} MiB")
+    spec = f", speculative <= {roof['speculative_tok_s_bound']:.1f} tok/s at the measured tau" \
+        if "speculative_tok_s_bound" in roof else ""
+    print(f"projection (bandwidth bound on {device.name}, {device.bandwidth_gbs:g} GB/s; not measured): "
+          f"{roof['bytes_per_token'] / 1e6:.1f} MB read per token, LM head {roof['lm_head_share']:.0%}; plain decode <= "
+          f"{roof['plain_tok_s_bound']:.1f} tok/s{spec}")
+    return 0
