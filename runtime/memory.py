@@ -142,6 +142,7 @@ class PlanInputs:
     prefill_tokens: Optional[int] = None  # tokens per prefill forward; None = the whole context in one
     overhead_bytes: int = RUNTIME_OVERHEAD["device"]
     scratch_factor: float = 1.0  # backend activations / the numpy float32 count (ONNX_SCRATCH_FACTOR for onnx)
+    fused_attention: bool = False  # device runtimes (TensorRT, llama.cpp) never hold the attention scores
     drafter_scratch: bool = False  # the drafter's own forward keeps its scratch too (a separate ORT session)
     headroom: float = HEADROOM
 
@@ -174,14 +175,14 @@ def kv_bytes_per_position(shapes: Sequence[CacheShape], kv_bytes: int) -> int:
     return 2 * sum(s.num_layers * s.num_kv_heads * s.head_dim for s in shapes) * kv_bytes
 
 
-def forward_scratch_bytes(dims: ModelDims, tokens: int, context: int) -> int:
+def forward_scratch_bytes(dims: ModelDims, tokens: int, context: int, fused_attention: bool = False) -> int:
     """float32 activations alive at the peak of one forward of `tokens` new rows over `context` rows: four
     T x H residual-stream temporaries, plus the largest of the attention (scores and probabilities,
     2 x heads x T x S, and the T x S mask), the MLP (gate, up, product: 3 x T x I) and the logits (T x vocab).
     Zoo target, a 5-token verify at context 64: 4 x (4x5x256 + max(2x8x5x64 + 5x64/4, 3x5x768, 5x3072))
-    = 4 x (5120 + 15360) = 81,920 B."""
+    = 4 x (5120 + 15360) = 81,920 B. A fused (flash) attention kernel, as device runtimes use, keeps no scores."""
     t, s = tokens, context
-    attention = 2 * dims.heads * t * s + t * s // 4
+    attention = 0 if fused_attention else 2 * dims.heads * t * s + t * s // 4
     return 4 * (4 * t * dims.hidden + max(attention, 3 * t * dims.intermediate, t * dims.vocab))
 
 
@@ -202,10 +203,11 @@ def plan_rows(inp: PlanInputs, context: int, budget: int) -> List[Row]:
         per = kv_bytes_per_position([inp.drafter.cache_shape()], inp.kv_bytes)
         rows.append(Row("drafter KV", per * positions, f"{positions} positions x {per} B"))
     prefill = min(context, inp.prefill_tokens or context)
-    scratch = max(forward_scratch_bytes(inp.target, prefill, context),
-                  forward_scratch_bytes(inp.target, inp.tree_tokens, context))
+    fused = inp.fused_attention
+    scratch = max(forward_scratch_bytes(inp.target, prefill, context, fused),
+                  forward_scratch_bytes(inp.target, inp.tree_tokens, context, fused))
     if inp.drafter is not None and inp.drafter_scratch:
-        scratch += forward_scratch_bytes(inp.drafter, prefill, context)
+        scratch += forward_scratch_bytes(inp.drafter, prefill, context, fused)
     scratch = int(scratch * inp.scratch_factor)
     rows.append(Row("forward scratch", scratch, f"prefill of {prefill} tokens or a {inp.tree_tokens}-token verify"))
     rows.append(Row("runtime overhead", inp.overhead_bytes, "interpreter, libraries"))

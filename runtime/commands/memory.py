@@ -88,7 +88,7 @@ def plan_inputs(args) -> memory.PlanInputs:
     draft = memory.read_hf_config(args.drafter_config) if args.drafter_config else None
     return memory.PlanInputs(target=memory.read_hf_config(args.config), drafter=draft, precision=args.precision,
                              head_precision=args.head_precision, tree_tokens=args.num_draft + 1,
-                             prefill_tokens=args.prefill_chunk)
+                             prefill_tokens=args.prefill_chunk, fused_attention=True)
 
 
 def run_plan(args) -> int:
@@ -98,13 +98,14 @@ def run_plan(args) -> int:
     _positive("--context", args.context)
     plan = memory.make_plan(inp, budget, args.context)
     levers = memory.levers(inp, budget, plan.context)
-    roof = memory.projected_decode(inp, plan.context, device.bandwidth_gbs)
+    roof_ctx = min(plan.context, 1024)
+    roof = memory.projected_decode(inp, roof_ctx, device.bandwidth_gbs)
     verdict = (f"fits: max context {plan.max_context}" if plan.fits and plan.max_context >= memory.MIN_CONTEXT
                else f"does NOT fit: needs {memory.budget_needed(inp, plan.context) / memory.GiB:.2f} GiB at "
                     f"{plan.context} positions")
     if args.json:
         print(json.dumps({"device": device.name, "verdict": verdict, **plan.to_dict(), "levers": levers,
-                          "projection": roof}))
+                          "projection": {"context": roof_ctx, **roof}}))
         return 0 if plan.fits else 1
     src = args.bundle or args.config + (f" + {args.drafter_config}" if args.drafter_config else "")
     print(f"memory plan: {src} on {device.name}, budget {budget / memory.GiB:.2f} GiB, at {plan.context} positions")
@@ -118,7 +119,7 @@ def run_plan(args) -> int:
         print(f"biggest lever: {top['lever']} frees {top['frees_bytes'] / memory.GiB:.2f} GiB "
               f"(max context {top['max_context']})")
     print(f"projection (bandwidth bound, not measured): plain decode <= {roof['plain_tok_s_bound']:.1f} tok/s at "
-          f"{device.bandwidth_gbs:g} GB/s, {roof['bytes_per_token'] / 1e9:.2f} GB read per token, LM head "
+          f"{device.bandwidth_gbs:g} GB/s at context {roof_ctx}, {roof['bytes_per_token'] / 1e9:.2f} GB read per token, LM head "
           f"{roof['lm_head_share']:.0%} of it")
     return 0 if plan.fits else 1
 

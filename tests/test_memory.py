@@ -1,0 +1,171 @@
+"""Specification of the memory plan (runtime/memory.py), the Session's budget and `edgespec memory`:
+the arithmetic on hand-computed dims, the published model sizes, max context monotone in the budget,
+an over-budget session or request refused before any allocation, and one-line CLI errors."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from runtime import memory
+from runtime.cli import main
+from runtime.config import RuntimeConfig
+from runtime.errors import BudgetExceeded
+from runtime.memory import MiB, ModelDims, PlanInputs
+from runtime.session import GenerationParams, Session
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = os.path.join(ROOT, "configs", "models")
+TOY = ModelDims(hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=32, tie=True)
+
+
+def run_cli(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_rows_on_known_dims_match_the_hand_computation():
+    # one layer: q 8x8 + k,v 2x8x4 + o 8x8 + mlp 3x8x16 + 2 norms of 8 = 64 + 64 + 64 + 384 + 16 = 592
+    assert TOY.layer_params() == 592
+    assert TOY.body_params() == 2 * 592 + 8  # + the final norm
+    inp = PlanInputs(TOY, precision="fp16", head_precision="fp16", kv_bytes=2, tree_tokens=5, overhead_bytes=1000,
+                     headroom=0.0)
+    rows = {r.name: r.bytes for r in memory.plan_rows(inp, 100, budget=10**6)}
+    assert rows["target weights"] == 1192 * 2
+    assert rows["target embedding + head"] == 32 * 8 * 2  # tied: the head is the embedding, counted once
+    assert rows["target KV"] == 2 * 2 * 1 * 4 * 2 * (100 + memory.DRAFT_SLACK)  # K+V x layers x kv x d x fp16
+    # prefill of 100 tokens over 100: 4 x (4x100x8 + max(2x2x100x100 + 100x100/4, 3x100x16, 100x32))
+    assert rows["forward scratch"] == 4 * (3200 + 42500)
+    assert rows["runtime overhead"] == 1000 and rows["headroom"] == 0
+    assert memory.total_bytes(inp, 100, 10**6) == 2384 + 512 + 5248 + 182800 + 1000
+
+
+def test_published_model_sizes_come_out_of_their_config_files():
+    """Qwen3-1.7B 1.72B, Llama-3.2-3B 3.21B, Qwen3-8B 8.19B parameters (their model cards)."""
+    def params(name):
+        d = memory.read_hf_config(os.path.join(MODELS, name))
+        return d.body_params() + d.embedding_params() + d.head_params()
+    assert params("qwen3-1.7b.json") == pytest.approx(1.72e9, rel=0.01)
+    assert params("llama-3.2-3b.json") == pytest.approx(3.21e9, rel=0.01)
+    assert params("qwen3-8b.json") == pytest.approx(8.19e9, rel=0.01)
+    assert params("llama-3.1-8b.json") == pytest.approx(8.03e9, rel=0.01)
+    q = memory.read_hf_config(os.path.join(MODELS, "qwen3-1.7b.json"))
+    assert memory.weight_bytes(q, "int4", "fp16") == (726_727_056, 622_329_856)  # the docstring's example
+    q8 = memory.read_hf_config(os.path.join(MODELS, "qwen3-8b.json"))
+    assert memory.kv_bytes_per_position([q8.cache_shape()], 2) == 147_456
+
+
+def test_an_eagle3_head_shares_the_target_embedding_and_has_a_32k_head():
+    head = memory.read_hf_config(os.path.join(MODELS, "qwen3-8b-eagle3.json"))
+    assert head.embedding_params() == 0 and head.head_params() == 32000 * 4096 and head.layers == 1
+    assert head.fusion_in == 3 * 4096 and head.attn_in == 2 * 4096
+
+
+def test_max_context_grows_with_the_budget_and_sits_exactly_on_the_boundary():
+    inp = PlanInputs(TOY, drafter=TOY, overhead_bytes=10_000)
+    last = 0
+    for budget in [5_000, 20_000, 50_000, 10**5, 10**6, 10**7, 10**8]:
+        n = memory.max_context(inp, budget)
+        assert n >= last
+        last = n
+        if n:
+            assert memory.total_bytes(inp, n, budget) <= budget < memory.total_bytes(inp, n + 1, budget)
+    assert memory.max_context(inp, 5_000) == 0 and last > 1000
+
+
+def test_budget_strings_and_shares_of_mem_available(tmp_path):
+    assert memory.parse_budget("5.5GB") == 5_500_000_000
+    assert memory.parse_budget("1.5GiB") == 1_610_612_736
+    assert memory.parse_budget("512MiB") == 512 * MiB
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 8000000 kB\nMemAvailable: 4000000 kB\n")
+    assert memory.parse_budget("50%", meminfo=str(meminfo)) == 2_000_000 * 1024
+
+
+def test_the_biggest_lever_of_an_fp16_8b_model_is_int4_weights():
+    inp = PlanInputs(memory.read_hf_config(os.path.join(MODELS, "qwen3-8b.json")), fused_attention=True,
+                     prefill_tokens=256)
+    top = memory.levers(inp, 16 * 2**30, 4096)[0]
+    assert top["lever"].startswith("int4") and top["frees_bytes"] > 4e9
+
+
+# ---------------------------------------------------------------------------------------------- session
+
+def budget_config(bundle, budget_mb, **memory_keys):
+    cfg = RuntimeConfig(bundle=bundle)
+    from dataclasses import replace
+    return replace(cfg, backend=replace(cfg.backend, kind="numpy_ref"),
+                   drafter=replace(cfg.drafter, kind="draft_model"),
+                   memory=replace(cfg.memory, budget_mb=budget_mb, **memory_keys))
+
+
+def test_a_session_over_budget_is_refused_with_the_numbers_before_any_allocation(tiny_bundle, monkeypatch):
+    from runtime import session as session_mod
+
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("allocated before the budget was checked")
+    monkeypatch.setattr(session_mod.KVArena, "for_context", no_allocation)
+    monkeypatch.setattr(session_mod, "open_model", no_allocation)
+    with pytest.raises(BudgetExceeded) as exc:
+        Session(budget_config(tiny_bundle, 8.0))  # less than the runtime overhead alone
+    msg = str(exc.value)
+    assert "memory budget 8.0 MiB cannot hold this bundle at 16 positions" in msg
+    assert "runtime overhead 40.0" in msg and "Raise memory.budget_mb to at least" in msg
+
+
+def test_the_arena_is_sized_from_the_plan_and_a_longer_request_is_refused_before_it_runs(tiny_bundle):
+    from runtime import bundle as bundle_io
+    inp = memory.bundle_inputs(bundle_io.load(tiny_bundle), "draft_model", "numpy_ref", 5)
+    budget_mb = memory.budget_needed(inp, 200) / MiB
+    session = Session(budget_config(tiny_bundle, budget_mb))
+    fit = memory.max_context(inp, int(budget_mb * MiB))
+    assert 200 <= fit < 2048 and session.target.max_cache_len == fit
+    plan = memory.make_plan(inp, int(budget_mb * MiB), fit)
+    assert session.arena.capacity_bytes == plan.row("target KV") + plan.row("drafter KV")
+    ids = session.tokenizer.encode("pick up the red cup " * 20)[:50]
+    with pytest.raises(BudgetExceeded, match=r"cannot hold prompt \(50 tokens\) \+ max_tokens"):
+        session.generate_ids(ids, GenerationParams(max_tokens=fit))
+    session.generate_ids(ids, GenerationParams(max_tokens=4))  # one that fits runs
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+BAD = [
+    (["--config", "configs/models/qwen3-8b.json", "--device", "orin_nano_9gb"], "unknown device 'orin_nano_9gb'"),
+    (["--config", "configs/models/qwen3-8b.json", "--budget", "5.5XB"], "--budget: got '5.5XB', expected a size"),
+    (["--config", "configs/models/qwen3-8b.json", "--budget", "150%"], "--budget: got '150%'"),
+    (["--config", "configs/models/nope.json"], "configs/models/nope.json: cannot read"),
+    (["--bundle", "no/such/bundle"], "--bundle: no/such/bundle: no such directory"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD, ids=[f[-1] for f, _ in BAD])
+def test_bad_plan_input_is_one_line_naming_the_value(capsys, monkeypatch, flags, message):
+    monkeypatch.chdir(ROOT)
+    code, out, err = run_cli(["memory", "plan"] + flags, capsys)
+    assert code == 2 and out == "" and message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_plan_json_parses_and_says_what_fits(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    code, out, _ = run_cli(["memory", "plan", "--config", "configs/models/qwen3-8b.json", "--drafter-config",
+                            "configs/models/qwen3-8b-eagle3.json", "--device", "orin_nano_8gb", "--precision", "fp16",
+                            "--json"], capsys)
+    r = json.loads(out)
+    assert code == 1 and not r["fits"] and r["max_context"] == 0 and "does NOT fit" in r["verdict"]
+    assert {row["name"] for row in r["rows"]} >= {"target weights", "drafter weights", "target KV", "drafter KV"}
+    assert r["levers"][0]["frees_bytes"] > 0
+
+
+def test_profile_compares_the_plan_with_the_measured_peak(tiny_bundle, capsys):
+    code, out, _ = run_cli(["memory", "profile", "--bundle", tiny_bundle, "--backend", "numpy_ref", "--context", "64",
+                            "--max-tokens", "4", "--json"], capsys)
+    r = json.loads(out)
+    assert code == 0 and r["measured_peak_bytes"] > 0 and r["planned_peak_bytes"] > 0
+    assert r["unaccounted_bytes"] == r["measured_peak_bytes"] - r["planned_peak_bytes"]
+    assert r["kv_arena_bytes"] == r["kv_planned_bytes"] and r["projection"]["plain_tok_s_bound"] > 0
