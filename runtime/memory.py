@@ -288,7 +288,7 @@ def levers(inp: PlanInputs, budget: int, context: int) -> List[Dict]:
     order = ["fp32", "fp16", "int8", "int4"]
     for p in ("int8", "int4"):
         if order.index(p) > order.index(inp.precision):
-            options.append((f"{p} target and drafter weights", replace(inp, precision=p)))
+            options.append((f"{p} decoder-layer weights", replace(inp, precision=p)))
     if order.index(inp.head_precision) < order.index("int8"):
         options.append(("int8 embedding and LM heads", replace(inp, head_precision="int8")))
     if inp.drafter is not None or inp.drafter_extra_bytes:
