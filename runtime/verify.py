@@ -86,10 +86,13 @@ def verify_sampled(tree: DraftTree, target_probs: np.ndarray, rng: np.random.Gen
     p <- norm(max(0, p - q)) and try the next child. If every child is rejected, next_token ~ p (the
     final residual). A node without children emits a bonus token ~ its own row.
 
-    Exactness needs each child's token to be drawn independently from its q (given the path above it):
-    siblings of a sampled node must be i.i.d. draws from the parent's drafter distribution (with
-    replacement). Top-k siblings are NOT independent draws, so drafters must mark them deterministic;
-    a point mass is then accepted with probability p(x), and on rejection x is zeroed in p.
+    Exactness needs each sampled child's token to be drawn from the q recorded for it, given the path
+    above it and its earlier siblings, and independently of the verification coins. Every tree-building
+    drafter takes its siblings from `runtime.siblings` (distinct draws without replacement, child i's q =
+    the parent's q without the earlier siblings, renormalised), so this holds by construction; i.i.d.
+    siblings with duplicates kept also satisfy it. Dropping duplicates of i.i.d. draws does NOT: it skips
+    a rejection that would have moved the residual. A point mass (top-k, argmax, n-gram) is accepted
+    with probability p(x), and on rejection x is zeroed in p.
 
     Example: one sampled child x = 0 drawn from q = (0.3, 0.3, 0.4) with p = (0.6, 0.3, 0.1):
     accept with min(1, 0.6 / 0.3) = 1. Had x = 2, accept with 0.1 / 0.4 = 0.25; on rejection the

@@ -55,7 +55,8 @@ class Shape:
 
     parents: Tuple[int, ...]
     deterministic: Optional[Tuple[bool, ...]] = None  # None = all sampled
-    distinct_siblings: bool = False  # WRONG for verify_sampled: siblings drawn without replacement (controls only)
+    distinct_siblings: bool = False  # siblings drawn without replacement (runtime/siblings.py)
+    stale_q: bool = False  # WRONG (controls only): distinct siblings verified against the plain q, not their own
 
 
 CHAIN_4 = Shape(parents=(-1, 0, 1, 2))
@@ -77,25 +78,29 @@ def _draw_rows(cdf: np.ndarray, u: np.ndarray) -> np.ndarray:
     return (cdf <= (u * cdf[:, -1])[:, None]).sum(axis=1)
 
 
-def draft_tokens(shape: Shape, Q: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
-    """(n, nodes) draft tokens for n cycles: sampled nodes draw independently from Q[parent token]."""
+def draft_tokens(shape: Shape, Q: np.ndarray, n: int, rng: np.random.Generator) -> Tuple[np.ndarray, np.ndarray]:
+    """(n, nodes) draft tokens for n cycles and (n, nodes, V) the proposal each was drawn from: sampled
+    nodes draw independently from Q[parent token], or, with distinct_siblings, from Q[parent token]
+    without the earlier sampled siblings, renormalised (stale_q then records the plain row instead)."""
     det = shape.deterministic or (False,) * len(shape.parents)
     toks = np.zeros((n, len(shape.parents)), dtype=np.int64)
-    q_cdf = np.cumsum(Q, axis=1)
+    props = np.zeros((n, len(shape.parents), V))
     for i, par in enumerate(shape.parents):
         ctx = np.full(n, ROOT) if par < 0 else toks[:, par]
+        props[:, i] = Q[ctx]
         if det[i]:
             toks[:, i] = np.argmax(Q[ctx], axis=1)
             continue
-        cdf = q_cdf[ctx]
+        q = Q[ctx].copy()  # (n, V)
         if shape.distinct_siblings:
-            q = Q[ctx].copy()  # (n, V)
             for j in range(i):
                 if shape.parents[j] == par and not det[j]:
                     q[np.arange(n), toks[:, j]] = 0.0
-            cdf = np.cumsum(q, axis=1)
-        toks[:, i] = _draw_rows(cdf, rng.random(n))
-    return toks
+            q /= q.sum(axis=1, keepdims=True)
+            if not shape.stale_q:
+                props[:, i] = q
+        toks[:, i] = _draw_rows(np.cumsum(q, axis=1), rng.random(n))
+    return toks, props
 
 
 def run_cycles(
@@ -106,16 +111,15 @@ def run_cycles(
     rng = np.random.default_rng(seed)
     p_cdf = np.cumsum(P, axis=1)
     if fixed_tree is None:
-        toks = draft_tokens(shape, Q, N_CYCLES, rng)
+        toks, props = draft_tokens(shape, Q, N_CYCLES, rng)
         parents = np.asarray(shape.parents, dtype=np.int64)
-        parent_tok = np.where(parents < 0, ROOT, toks[:, np.maximum(parents, 0)])  # (N, nodes)
         det = np.asarray(shape.deterministic or (False,) * len(parents))
     first = np.zeros(V, dtype=np.int64)
     pairs = np.zeros(V * V, dtype=np.int64)
     second_u = rng.random(N_CYCLES)
     for k in range(N_CYCLES):
         if fixed_tree is None:
-            tree = DraftTree(tokens=toks[k], parents=parents, q=Q[parent_tok[k]], deterministic=det)
+            tree = DraftTree(tokens=toks[k], parents=parents, q=props[k], deterministic=det)
         else:
             tree = fixed_tree
         res = verify(tree, P[np.concatenate(([ROOT], tree.tokens))], rng)
@@ -157,6 +161,16 @@ def test_point_mass_chain_matches_target_distribution():
 
 def test_sampled_three_branch_tree_with_iid_siblings_matches_target_distribution():
     assert_exact(THREE_BRANCH, PLAIN, BAD_LOGITS, seed=4)
+
+
+def test_siblings_without_replacement_with_their_own_proposals_match_target_distribution():
+    # Recursive rejection sampling: child i's q is the parent's q without the earlier siblings.
+    assert_exact(Shape(parents=(-1, -1, -1, 0, 1, 2), distinct_siblings=True), PLAIN, BAD_LOGITS, seed=10)
+
+
+def test_distinct_siblings_after_a_point_mass_match_target_distribution():
+    shape = Shape(parents=(-1, -1, -1, 0, 1), deterministic=(True, False, False, False, True), distinct_siblings=True)
+    assert_exact(shape, PLAIN, GOOD_LOGITS, seed=11)
 
 
 def test_sampled_depth_three_tree_matches_target_distribution():
@@ -228,10 +242,10 @@ def test_control_sampling_p_instead_of_the_residual_is_detected():
 
 
 
-def test_control_siblings_drawn_without_replacement_are_detected():
-    # The right rule fed the wrong drafts: distinct siblings (e.g. top-k sampling without replacement)
-    # verified as if they were i.i.d. draws from q. This is why verify_sampled demands i.i.d. siblings.
-    shape = Shape(parents=(-1, -1, -1), distinct_siblings=True)
+def test_control_siblings_without_replacement_verified_against_the_plain_q_are_detected():
+    # The right rule fed the wrong proposals: distinct siblings verified as if they were i.i.d. draws from
+    # q. This is why each node carries its own proposal (runtime/siblings.py).
+    shape = Shape(parents=(-1, -1, -1), distinct_siblings=True, stale_q=True)
     p_first, _ = _control_p_values(verify_sampled, shape, seed=103)
     assert p_first < ALPHA
 

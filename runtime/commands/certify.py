@@ -2,9 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import math
+import sys
+import time
+from typing import List
 
-from runtime.certify import certify
+from runtime.certify import certify, choose_contexts, dedup_siblings, forget_residual
 from runtime.commands.common import add_model_args, runtime_config
+from runtime.errors import ConfigError
 from runtime.prompts import action_prompt, planner_prompt, text_prompt
 from runtime.sampling import SamplingParams
 from runtime.session import Session
@@ -15,17 +20,26 @@ For each context the real engine (drafter + verification + backend) is run DRAWS
 state; the first emitted token and the first two emitted tokens are compared with the exact target
 distribution (enumerated) by a chi-square goodness-of-fit test. PASS means p-value >= alpha for both.
 
+Contexts are chosen where a wrong rule would show: a deterministic search over planner, text and action
+continuations scores each position by how far a wrong rule would move the emitted law there (the drafter's
+q peaked and different from p) and keeps the best per domain, plus the best whose next token is
+near-certain. Drafters that build trees are tested as chains and as trees (--trees). Each configuration
+also runs a POWER CONTROL: the same test with a wrong rule swapped in (dropping duplicate siblings for
+trees, sampling p instead of the residual for chains), which must FAIL; if it does not, the test had no
+power in these contexts and the verdict is INCONCLUSIVE.
+
 example:
   edgespec certify --drafter draft_model --temperature 0.8 --draws 20000
 """
 
-DEFAULT_CONTEXTS = [
-    # Mid-plan, where the zoo is unsure which object comes next (a peaked context would test little).
-    planner_prompt("give the red box from the workshop to Carol in the bedroom")
-    + '[{"skill":"navigate","room":"workshop"},{"skill":"pick","object',
-    text_prompt("To be, or not to be"),
-    action_prompt("lift the metal apple", [0.30, -0.26, 0.11, -0.03, 0.0, 0.30, -0.26, 0.05]),
+SEEDS = [
+    ("planner", planner_prompt("give the red box from the workshop to Carol in the bedroom")),
+    ("planner", planner_prompt("bring two apples from the kitchen to the office")),
+    ("planner", planner_prompt("open the fridge and put the milk on the table")),
+    ("text", text_prompt("To be, or not to be")),
+    ("action", action_prompt("lift the metal apple", [0.30, -0.26, 0.11, -0.03, 0.0, 0.30, -0.26, 0.05])),
 ]
+MIN_USEFUL_DRAWS = 1000
 
 
 def register(sub) -> None:
@@ -33,30 +47,112 @@ def register(sub) -> None:
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature to certify (> 0)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--draws", type=int, default=20000, help="independent draws per context (default 20000)")
-    p.add_argument("--alpha", type=float, default=1e-3, help="significance level (default 0.001)")
-    p.add_argument("--context", action="append", help="a context to test (repeatable); default: planner, text, action")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to certify, in (0, 1] (1 = off)")
+    p.add_argument("--draws", type=int, default=10000, help="independent draws per context (default 10000)")
+    p.add_argument("--alpha", type=float, default=1e-3, help="significance level, in (0, 0.5) (default 0.001)")
+    p.add_argument("--context", action="append",
+                   help="a context to test (repeatable); default: searched in the planner, text and action domains")
+    p.add_argument("--trees", default="auto",
+                   help="branchings to test besides the configured one, e.g. 2,3; 'auto' = 2,3 for drafters that "
+                        "build sampled trees; 'none' = only the configured one")
+    p.add_argument("--no-control", action="store_true", help="skip the power control (halves the time)")
+    p.add_argument("--seed", type=int, default=0, help="base seed of the draws (fixed: a rerun draws the same)")
     p.set_defaults(func=run)
 
 
+def check_args(args) -> None:
+    """Refuse what would make the test meaningless, naming the flag, the value and the range."""
+    t = args.temperature
+    if not (math.isfinite(t) and t > 0):
+        raise ConfigError(f"--temperature: got {t!r}, expected a finite number > 0 (certify tests sampling; "
+                          "greedy identity is checked by `edgespec bench`)")
+    if not (0.0 < args.top_p <= 1.0):
+        raise ConfigError(f"--top-p: got {args.top_p!r}, expected a number in (0, 1]")
+    if not (0.0 < args.alpha < 0.5):
+        raise ConfigError(f"--alpha: got {args.alpha!r}, expected a significance level in (0, 0.5), e.g. 0.001")
+    if args.draws < 1:
+        raise ConfigError(f"--draws: got {args.draws}, expected an integer >= 1 (>= {MIN_USEFUL_DRAWS} for power)")
+
+
+def tree_widths(arg: str, configured: int, drafter) -> List[int]:
+    if arg == "none":
+        extra: List[int] = []
+    elif arg == "auto":
+        extra = [2, 3] if getattr(drafter, "builds_sampled_trees", False) else []
+    else:
+        try:
+            extra = [int(x) for x in arg.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"--trees: got {arg!r}, expected 'auto', 'none' or branchings like 2,3") from None
+        if any(not 1 <= b <= 16 for b in extra):
+            raise ConfigError(f"--trees: got {arg!r}, each branching must be in 1..16")
+        if extra and not hasattr(drafter, "branching"):
+            raise ConfigError(f"--trees: the drafter {getattr(drafter, 'kind', 'none')!r} does not build trees; "
+                              "use --trees none")
+    return sorted({configured, *extra})
+
+
 def run(args) -> int:
+    check_args(args)
     session = Session(runtime_config(args))
+    if session.drafter is None:
+        raise ConfigError("--drafter: certify needs a drafter (plain decoding has nothing to certify); "
+                          "pick one of the bundle's, e.g. --drafter draft_model")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
     params.validate(session.target.spec.vocab_size)
-    contexts = args.context or DEFAULT_CONTEXTS
+    widths = tree_widths(args.trees, session.config.drafter.branching, session.drafter)
     print(f"certify: bundle={session.config.bundle} backend={session.backend_name} drafter={session.drafter_kind} "
-          f"temperature={args.temperature} top_p={args.top_p} draws={args.draws} alpha={args.alpha}")
-    print(f"{'context':42s} {'draws':>6s} {'chi2(t1)':>10s} {'p(t1)':>8s} {'chi2(t1,t2)':>12s} {'p(t1,t2)':>9s} {'tau':>5s}  verdict")
+          f"temperature={args.temperature} top_p={args.top_p} draws={args.draws} alpha={args.alpha} "
+          f"branchings={','.join(map(str, widths))}")
+    if args.draws < MIN_USEFUL_DRAWS:
+        print(f"certify: WARNING: {args.draws} draws per context give the test almost no power; a PASS means "
+              f"little (use >= {MIN_USEFUL_DRAWS}, default 10000)", file=sys.stderr)
+    verdicts = [run_configuration(session, args, params, b) for b in widths]
+    if "FAIL" in verdicts:
+        print("certify: FAIL — the emitted distribution differs from the target's; do not deploy this drafter")
+        return 1
+    if "INCONCLUSIVE" in verdicts:
+        print("certify: INCONCLUSIVE — no evidence of a difference, but a known-wrong rule was not detected either "
+              "in these contexts; raise --draws or give --context where the drafter is confidently wrong")
+        return 2
+    print("certify: PASS — no evidence that speculative decoding changes the target distribution, and the power "
+          "control shows the test would have seen a wrong rule")
+    return 0
 
-    def show(r):
-        label = (r.context[:39] + "...") if len(r.context) > 42 else r.context
-        print(f"{label:42s} {r.draws:6d} {r.first_statistic:10.1f} {r.first_p_value:8.4f} {r.pair_statistic:12.1f} "
-              f"{r.pair_p_value:9.4f} {r.tau:5.2f}  {'PASS' if r.passed else 'FAIL'}", flush=True)
 
-    results = certify(session, contexts, params, draws=args.draws, alpha=args.alpha, seed=args.seed, progress=show)
-    ok = all(r.passed for r in results)
-    print("certify: PASS — no evidence that speculative decoding changes the target distribution" if ok else
-          "certify: FAIL — the emitted distribution differs from the target's; do not deploy this drafter")
-    return 0 if ok else 1
+def run_configuration(session, args, params: SamplingParams, width: int) -> str:
+    drafter = session.drafter
+    if hasattr(drafter, "branching"):
+        drafter.branching = width
+    shape = "chain" if width == 1 else f"tree, branching {width}"
+    t0 = time.perf_counter()
+    if args.context:
+        contexts = list(args.context)
+    else:
+        contexts = choose_contexts(session, SEEDS, params)
+    print(f"\n== {shape}: {len(contexts)} contexts"
+          + ("" if args.context else f" (searched in {time.perf_counter() - t0:.1f} s)"))
+    print(f"{'context':64s} {'draws':>6s} {'p(t1)':>8s} {'p(t1,t2)':>9s} {'tau':>5s}  verdict")
+    results = certify(session, contexts, params, draws=args.draws, alpha=args.alpha, seed=args.seed, progress=_show)
+    passed = all(r.passed for r in results)
+    if args.no_control:
+        return "PASS" if passed else "FAIL"
+    control, rule, verifier = (("drop duplicate siblings", dedup_siblings, None) if width > 1 else
+                               ("sample p instead of the residual", None, forget_residual))
+    print(f"-- power control ({control}, must FAIL):")
+    wrong = certify(session, contexts, params, draws=args.draws, alpha=args.alpha, seed=args.seed + 77,
+                    sibling_rule=rule, verifier=verifier, progress=_show)
+    caught = sum(not r.passed for r in wrong)
+    print(f"-- power control rejected in {caught}/{len(wrong)} contexts "
+          f"({'the test has power' if caught else 'NO POWER in these contexts'}); {shape} took "
+          f"{time.perf_counter() - t0:.0f} s")
+    if not passed:
+        return "FAIL"
+    return "PASS" if caught else "INCONCLUSIVE"
+
+
+def _show(r) -> None:
+    label = (r.context[:61] + "...") if len(r.context) > 64 else r.context
+    label = label.replace("\n", " ")
+    print(f"{label:64s} {r.draws:6d} {r.first_p_value:8.4f} {r.pair_p_value:9.4f} {r.tau:5.2f}  "
+          f"{'PASS' if r.passed else 'FAIL'}", flush=True)

@@ -11,11 +11,12 @@ A cycle, seen from the drafter:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Sequence, Tuple
+from typing import Callable, Dict, Sequence, Tuple
 
 import numpy as np
 
 from runtime.sampling import SamplingParams
+from runtime.siblings import draw_siblings
 from runtime.tree import DraftTree
 
 
@@ -30,6 +31,10 @@ class DraftContext:
 class Drafter:
     kind: str = "base"
     target_taps: Tuple[str, ...] = ()  # target hidden taps the drafter reads; the engine requests them
+    # How a tree-building drafter samples several children of one node (runtime/siblings.py). Drafters
+    # must take sampled siblings only through this, so that each node's q is what the verifier needs.
+    sibling_rule: Callable = staticmethod(draw_siblings)
+    builds_sampled_trees: bool = False  # True where `branching` > 1 gives sampled siblings (certify tests them)
 
     def begin(self, prompt: Sequence[int], taps: Dict[str, np.ndarray]) -> None:
         """A new request: the target has just prefilled `prompt` (taps rows align with it)."""

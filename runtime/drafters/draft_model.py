@@ -1,5 +1,6 @@
 """A separate small draft model (same tokenizer) proposing a chain of k tokens, or a tree of
-`branching` chains that split at the first position, with its own q.
+`branching` chains that split at the first position (siblings by the one rule, `runtime.siblings`),
+with its own q.
 
 Its KV cache is a view into the same arena as the target's, so it counts against the one budget. The
 cache follows the committed tokens lazily: before drafting, the longest common prefix of what the
@@ -7,13 +8,14 @@ cache holds and the context is kept and only the rest (usually the root plus a t
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import numpy as np
 
 from runtime.backends.base import TargetBackend
 from runtime.drafters.base import DraftContext, Drafter
 from runtime.sampling import SamplingParams, process_logits, sample
+from runtime.siblings import Siblings, draw_siblings, top_k
 from runtime.tree import DraftTree, empty_tree
 
 
@@ -26,27 +28,21 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def pick_children(logits: np.ndarray, q: np.ndarray, params: SamplingParams, history: Sequence[int],
-                  width: int, rng: np.random.Generator):
-    """Children of one node: greedy -> the top-`width` tokens (point masses); sampled -> `width`
-    i.i.d. draws from q with duplicates dropped. Dropping a duplicate is exact: once x is rejected,
-    the residual has p'(x) = 0, so a second x would be rejected with probability 1 anyway."""
+                  width: int, rng: np.random.Generator, rule: Callable = draw_siblings) -> Siblings:
+    """Children of one node. Greedy -> the top-`width` tokens as point masses; sampled -> `rule` (the one
+    sibling rule of `runtime.siblings`: distinct draws, each with the proposal it was drawn from)."""
     if params.greedy:
         if width == 1:
-            return [int(np.argmax(q))], True
+            return Siblings(np.asarray([int(np.argmax(q))], np.int64), None)
         # q is one-hot under greedy; rank by the masked, penalised distribution at temperature 1.
         soft = process_logits(logits, replace(params, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0), history)
-        order = np.argsort(-soft, kind="stable")[:width]
-        return [int(t) for t in order if soft[t] > 0], True
-    picks: List[int] = []
-    for _ in range(width):
-        t = sample(q, rng)
-        if t not in picks:
-            picks.append(t)
-    return picks, False
+        return top_k(soft, width)
+    return rule(q, width, rng)
 
 
 class DraftModelDrafter(Drafter):
     kind = "draft_model"
+    builds_sampled_trees = True
 
     def __init__(self, model: TargetBackend, num_tokens: int = 4, branching: int = 1):
         self.model = model
@@ -86,11 +82,12 @@ class DraftModelDrafter(Drafter):
             return empty_tree()
         params = ctx.params
         q0 = process_logits(logits, params, context)
-        firsts, deterministic = pick_children(logits, q0, params, context, self.branching, ctx.rng)
-        tokens: List[int] = list(firsts)
-        parents: List[int] = [-1] * len(firsts)
-        qs: List[np.ndarray] = [q0] * len(firsts)
-        frontier = list(range(len(firsts)))  # node index of each chain's last token
+        firsts = pick_children(logits, q0, params, context, self.branching, ctx.rng, self.sibling_rule)
+        deterministic = firsts.deterministic
+        tokens: List[int] = firsts.tokens.tolist()
+        parents: List[int] = [-1] * len(tokens)
+        qs: List[np.ndarray] = [q0] * len(tokens) if deterministic else list(firsts.proposals)
+        frontier = list(range(len(tokens)))  # node index of each chain's last token
         for d in range(1, depth):
             # Run the frontier (one node per chain) in one forward with a tree mask, then extend each chain.
             start = self.model.cache_len
