@@ -38,3 +38,28 @@ def test_certify_rejects_a_wrong_acceptance_rule(tiny_bundle):
     session = Session.open(tiny_bundle, drafter="draft_model", max_context=128)
     (res,) = certify(session, CONTEXT, SamplingParams(temperature=1.0), draws=1500, alpha=ALPHA, verifier=always_accept)
     assert not res.passed and res.first_p_value < ALPHA
+
+
+# --- the command refuses what would make the test meaningless (one line, exit 2, no traceback) -----------
+
+@pytest.mark.parametrize("flags,message", [
+    (["--temperature", "0"], "--temperature: got 0.0, expected a finite number > 0"),
+    (["--alpha", "2"], "--alpha: got 2.0, expected a significance level in (0, 0.5)"),
+    (["--alpha", "0"], "--alpha: got 0.0"),
+    (["--draws", "0"], "--draws: got 0, expected an integer >= 1"),
+    (["--trees", "two"], "--trees: got 'two'"),
+    (["--drafter", "none"], "--drafter: certify needs a drafter"),
+])
+def test_certify_refuses_meaningless_settings_naming_the_flag(tiny_bundle, capsys, flags, message):
+    from tests.test_cli import run_cli
+    code, out, err = run_cli(["certify", "--bundle", tiny_bundle, "--backend", "numpy_ref", "--max-context", "128",
+                              *flags], capsys)
+    assert code == 2 and message in err and "Traceback" not in err, (code, err)
+
+
+def test_certify_with_few_draws_warns_that_the_test_has_no_power(tiny_bundle, capsys):
+    from tests.test_cli import run_cli
+    code, out, err = run_cli(["certify", "--bundle", tiny_bundle, "--backend", "numpy_ref", "--max-context", "128",
+                              "--drafter", "draft_model", "--draws", "10", "--trees", "none", "--no-control",
+                              "--context", CONTEXT[0]], capsys)
+    assert "almost no power" in err and code in (0, 1), (code, err)
