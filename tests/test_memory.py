@@ -9,24 +9,15 @@ import os
 import pytest
 
 from runtime import memory
-from runtime.cli import main
 from runtime.config import RuntimeConfig
 from runtime.errors import BudgetExceeded
 from runtime.memory import MiB, ModelDims, PlanInputs
 from runtime.session import GenerationParams, Session
+from tests.test_cli import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = os.path.join(ROOT, "configs", "models")
 TOY = ModelDims(hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=32, tie=True)
-
-
-def run_cli(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_plan_rows_on_known_dims_match_the_hand_computation():
