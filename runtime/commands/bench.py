@@ -203,12 +203,12 @@ def print_table(table: List[Dict[str, object]], bundle_name: str, prompts, domai
           f"{len(prompts)} prompts ({','.join(domains)}), max_tokens={cfg.generation.max_tokens}, "
           f"backend={table[0]['backend']}, {rounds} interleaved rounds; speedup = median of per-round tok/s ratios "
           "to 'none' [min-max]")
-    print(f"{'drafter':15s} {'T':>4s} {'tok/s':>7s} {'speedup':>8s} {'[min-max]':>12s} {'tau':>5s} {'ms/cycle':>9s} "
+    print(f"{'drafter':17s} {'T':>4s} {'tok/s':>7s} {'speedup':>8s} {'[min-max]':>12s} {'tau':>5s} {'ms/cycle':>9s} "
           f"{'draft':>7s} {'verify':>7s} {'other':>7s} {'MiB':>6s}  identical")
     for t in table:
         label = t["label"] + (" *" if standin else "")
         ident = {True: "yes", False: "NO", None: "n/a"}[t["identical_to_plain"]]
-        print(f"{label:15s} {t['temperature']:4.1f} {t['tokens_per_s']:7.1f} {t['speedup']:7.2f}x "
+        print(f"{label:17s} {t['temperature']:4.1f} {t['tokens_per_s']:7.1f} {t['speedup']:7.2f}x "
               f"{'[' + format(t['speedup_min'], '.2f') + '-' + format(t['speedup_max'], '.2f') + ']':>12s} "
               f"{t['tau']:5.2f} {t['ms_per_cycle']:9.2f} {t['draft_ms']:7.2f} {t['verify_ms']:7.2f} "
               f"{t['other_ms']:7.2f} {t['memory_mib']:6.1f}  {ident}")
