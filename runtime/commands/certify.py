@@ -28,6 +28,10 @@ also runs a POWER CONTROL: the same test with a wrong rule swapped in (dropping 
 trees, sampling p instead of the residual for chains), which must FAIL; if it does not, the test had no
 power in these contexts and the verdict is INCONCLUSIVE.
 
+A draw costs about 5-20 ms on the zoo bundle here (the models' outputs are memoised by token path), so the
+defaults (6 contexts x 10000 draws, chain + two tree widths, each with its control) take a while; a good
+drafter leaves a wrong tree rule little room to show, and trees may need 20000 draws for the control to fail.
+
 example:
   edgespec certify --drafter draft_model --temperature 0.8 --draws 20000
 """
@@ -36,6 +40,9 @@ SEEDS = [
     ("planner", planner_prompt("give the red box from the workshop to Carol in the bedroom")),
     ("planner", planner_prompt("bring two apples from the kitchen to the office")),
     ("planner", planner_prompt("open the fridge and put the milk on the table")),
+    ("planner", planner_prompt("pick up the blue mug in the kitchen and hand it to Dave")),
+    ("planner", planner_prompt("put three forks in the drawer")),
+    ("planner", planner_prompt("close the cabinet in the bathroom")),
     ("text", text_prompt("To be, or not to be")),
     ("action", action_prompt("lift the metal apple", [0.30, -0.26, 0.11, -0.03, 0.0, 0.30, -0.26, 0.05])),
 ]
@@ -129,7 +136,7 @@ def run_configuration(session, args, params: SamplingParams, width: int) -> str:
     if args.context:
         contexts = list(args.context)
     else:
-        contexts = choose_contexts(session, SEEDS, params)
+        contexts = choose_contexts(session, SEEDS, params, horizon=40, rollouts=3)
     print(f"\n== {shape}: {len(contexts)} contexts"
           + ("" if args.context else f" (searched in {time.perf_counter() - t0:.1f} s)"))
     print(f"{'context':64s} {'draws':>6s} {'p(t1)':>8s} {'p(t1,t2)':>9s} {'tau':>5s}  verdict")
