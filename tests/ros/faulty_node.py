@@ -37,10 +37,14 @@ def _generate_arming(self, prompt, *args, **kwargs):
     return _generate(self, prompt, *args, **kwargs)
 
 
-Session.open = classmethod(_open_with_fault_hook)
-Session.generate = _generate_arming
+def install() -> None:
+    """Patch Session in THIS process only: the node script calls it; a test importing FAULT_MARKER must not."""
+    Session.open = classmethod(_open_with_fault_hook)
+    Session.generate = _generate_arming
+
 
 if __name__ == "__main__":
     from edgespec_ros.node import main
 
+    install()
     sys.exit(main())
