@@ -79,7 +79,7 @@ class MemoModel:
         self._depth: List[int] = []
         self.memo: Dict[int, Tuple[np.ndarray, Dict[str, np.ndarray]]] = {}  # node -> its row's output
         self.misses = 0
-        self._stacked: Dict[Tuple, ForwardResult] = {}  # long forwards (prefills), by their rows' nodes
+        self._prefill: Optional[Tuple[Tuple, ForwardResult]] = None  # the last forward from an empty cache
 
     @property
     def cache_len(self) -> int:
@@ -143,10 +143,10 @@ class MemoModel:
                 if cols.size != (self._depth[parent] if parent >= 0 else 0):
                     raise ValueError(f"row {j} attends to rows that are not one causal path: not a tree mask")
             ids.append(self._child(parent, tok))
-        key = (tuple(ids[base:]), tuple(taps))
-        if key in self._stacked:  # the same prompt is prefilled every draw: reuse its stacked output
-            self.rows = ids
-            return self._stacked[key]
+        key = (tuple(ids), tuple(taps))
+        if base == 0 and self._prefill is not None and self._prefill[0] == key:
+            self.rows = ids  # every draw prefills the same prompt: reuse its stacked output
+            return self._prefill[1]
         missing = [node for node in ids[base:] if node not in self.memo]
         if missing:
             self._compute(missing)
@@ -158,8 +158,8 @@ class MemoModel:
                 tap_rows[k].append(row_taps[k])
         self.rows = ids
         out = ForwardResult(np.stack(logits), {k: np.stack(v) for k, v in tap_rows.items()})
-        if len(ids) - base > 16:  # prefills only; short cycle forwards are cheap to stack
-            self._stacked[key] = out
+        if base == 0:
+            self._prefill = (key, out)
         return out
 
     def keep(self, start: int, rows: Sequence[int]) -> None:

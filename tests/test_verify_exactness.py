@@ -28,6 +28,7 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 import pytest
 
+from runtime.certify import forget_residual
 from runtime.sampling import SamplingParams, process_logits_batch, sample
 from runtime.stat_tests import chi2_sf, chi_square_gof
 from runtime.tree import DraftTree, from_choices
@@ -209,22 +210,6 @@ def _accept_everything(tree: DraftTree, probs: np.ndarray, rng: np.random.Genera
     return VerifyResult(accepted=path, next_token=sample(probs[node + 1], rng))
 
 
-def _forget_residual(tree: DraftTree, probs: np.ndarray, rng: np.random.Generator) -> VerifyResult:
-    """WRONG: the right acceptance test, but a rejection resamples p instead of norm(max(0, p - q))."""
-    accepted: List[int] = []
-    node = -1
-    while True:
-        p = probs[node + 1]
-        for c in tree.children(node):
-            q = tree.q[c]
-            if rng.random() * q[tree.tokens[c]] < p[tree.tokens[c]]:
-                accepted.append(c)
-                node = c
-                break
-        else:
-            return VerifyResult(accepted=accepted, next_token=sample(p, rng))
-
-
 def _control_p_values(verify: Verifier, shape: Shape, seed: int) -> Tuple[float, float]:
     P, Q = _tables(PLAIN, BAD_LOGITS)
     first, pairs = run_cycles(shape, P, Q, seed, verify=verify)
@@ -237,7 +222,7 @@ def test_control_accepting_every_draft_token_is_detected():
 
 
 def test_control_sampling_p_instead_of_the_residual_is_detected():
-    p_first, p_pairs = _control_p_values(_forget_residual, CHAIN_4, seed=102)
+    p_first, p_pairs = _control_p_values(forget_residual, CHAIN_4, seed=102)
     assert p_first < ALPHA and p_pairs < ALPHA
 
 
