@@ -390,6 +390,16 @@ def bundle_cache_shapes(bundle, drafter: str) -> Dict[str, CacheShape]:
     return shapes
 
 
+def eagle_dims(entry) -> ModelDims:
+    """An EAGLE head's one layer: it reads the target's embedding; EAGLE-1 uses the target's LM head (fc 2H -> H),
+    EAGLE-3 has its own over draft_vocab_size rows, attends over 2H and fuses three target hiddens (fc 3H -> H)."""
+    d = replace(dims_from_spec(entry.spec), own_embedding=False)
+    h = d.hidden
+    if entry.kind == "eagle":
+        return replace(d, head_rows=0, fusion_in=2 * h)
+    return replace(d, head_rows=int(entry.params.get("draft_vocab_size", d.vocab)), attn_in=2 * h, fusion_in=3 * h)
+
+
 def _safetensors_numel(path: str) -> int:
     from runtime.tensors import _header  # header only: no tensor is read
 
@@ -408,7 +418,9 @@ def bundle_inputs(bundle, drafter: str, backend: str, tree_tokens: int) -> PlanI
     prec = "fp16" if kv == 2 else "fp32"
     entry = bundle.drafters.get(drafter)
     draft, d_prec, extra = None, None, 0
-    if entry is not None and entry.spec is not None:
+    if entry is not None and entry.kind in ("eagle", "eagle3") and entry.spec is not None:
+        draft, d_prec = eagle_dims(entry), "fp32"  # numpy, float32
+    elif entry is not None and entry.spec is not None:
         draft = dims_from_spec(entry.spec)
         d_files = entry.backends.get(backend) if backend != "numpy_ref" else None
         d_prec = d_files.params.get("precision", "fp32") if d_files is not None else "fp32"

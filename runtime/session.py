@@ -23,6 +23,7 @@ from runtime.bundle import BackendFiles
 from runtime.config import BackendConfig, RuntimeConfig
 from runtime.drafters.base import Drafter
 from runtime.drafters.draft_model import DraftModelDrafter
+from runtime.drafters.eagle import DynamicTree, EagleDrafter
 from runtime.drafters.mtp import MTPDrafter, mtp_cache_shape
 from runtime.drafters.ngram import NgramDrafter
 from runtime.engine import DecodeStats, Engine, StopCheck
@@ -104,6 +105,8 @@ def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max
         return NgramDrafter(num_tokens=num_tokens, max_n=int(params.get("max_n", 3)), min_n=int(params.get("min_n", 1)),
                             branching=branching)
     entry = bundle.drafter(name)
+    if entry.kind in ("eagle", "eagle3"):
+        return build_eagle(name, entry, bundle, arena, max_positions, num_tokens, branching, target_weights)
     if entry.kind == "draft_model":
         files = entry.backends.get(backend.kind) if backend.kind != "numpy_ref" else None
         files = files or BackendFiles(files=entry.files)
@@ -122,6 +125,39 @@ def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max
         return MTPDrafter(spec, weights, embed, head, cache, num_tokens=num_tokens,
                           layer_index=int(entry.params.get("first_layer_index", spec.num_layers)))
     raise BundleError(f"drafter kind {entry.kind!r} is not available in this runtime yet")
+
+
+def build_eagle(name: str, entry, bundle, arena: KVArena, max_positions: int, num_tokens: int, branching: int,
+                target_weights=None) -> EagleDrafter:
+    """An EAGLE-1/2 or EAGLE-3 head (runtime/drafters/eagle.py) on the target's embedding (and, EAGLE-1, its
+    LM head); params.tree set = the EAGLE-2 dynamic tree, else chains of num_tokens x branching."""
+    source = f"{bundle.root}: drafters.{name}"
+    if entry.spec is None:
+        raise BundleError(f"{source}: no spec (the draft layer's shape); rebuild it with export/drafters/eagle.py")
+    spec = bundle.target.spec
+    target_w = target_weights if target_weights is not None else load_weights(bundle, bundle.target_files("numpy_ref").files)
+    embed = np.ascontiguousarray(target_w["model.embed_tokens.weight"], np.float32)
+    head = embed if spec.tie_word_embeddings else np.ascontiguousarray(target_w["lm_head.weight"], np.float32)
+    tree = entry.params.get("tree")
+    if tree is not None and not isinstance(tree, dict):
+        raise BundleError(f"{source}: params.tree: got {tree!r}, expected a mapping (total_tokens, depth, top_k)")
+    cache = arena.allocate("draft", cache_shape(entry.spec), max_positions + memory.DRAFT_SLACK)
+    return EagleDrafter(entry.kind, entry.spec, load_weights(bundle, entry.files), embed, head, cache, entry.params,
+                        num_tokens=num_tokens, branching=branching,
+                        tree=DynamicTree.from_params(tree, source) if tree is not None else None, source=source)
+
+
+def check_taps(drafter: Optional[Drafter], target, name: str, bundle_root: str) -> None:
+    """Refuse, at session creation, a drafter that reads target taps this backend does not produce."""
+    have = getattr(target, "tap_names", None)  # None: the backend computes any tap (numpy_ref)
+    if drafter is None or have is None:
+        return
+    missing = [t for t in drafter.target_taps if t not in have]
+    if missing:
+        raise BundleError(f"drafter {name!r} reads the target's hidden taps {missing}, which the {target.name} graph "
+                          f"does not output (it has {list(have)}); re-export it with `edgespec export --to "
+                          f"{target.name} --bundle {bundle_root} --taps {' '.join(sorted(set(have) | set(missing)))}`, "
+                          "or run this drafter on backend numpy_ref")
 
 
 def _libc():
@@ -189,6 +225,7 @@ class Session:
         self.target = open_model(b, spec, files, backend, cache)
         self.drafter = build_drafter(name, b, backend, self.arena, positions, config.drafter.num_tokens,
                                      config.drafter.branching, getattr(self.target, "w", None))
+        check_taps(self.drafter, self.target, name, b.root)
         self.drafter_kind = name
         self.backend_name = backend.kind
         eos = set(spec.eos_token_ids)
