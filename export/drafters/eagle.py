@@ -275,8 +275,9 @@ def _eagle3(w, spec: ModelSpec, target: ModelSpec, cfg, wrapper, source: str) ->
 
 
 def add_eagle_to_bundle(bundle_dir: str, checkpoint: str, kind: str = "auto", name: Optional[str] = None,
-                        fp16: bool = False) -> str:
-    """Add an EAGLE head to an existing bundle as drafter `name` (default: its kind). Returns the name."""
+                        fp16: bool = False, tree: Optional[Dict[str, int]] = None) -> str:
+    """Add an EAGLE head to an existing bundle as drafter `name` (default: its kind). `tree` (total_tokens,
+    depth, top_k) makes it draft EAGLE-2 dynamic trees; without it, chains. Returns the name."""
     bundle = load_bundle(bundle_dir)
     head = load_eagle(checkpoint, bundle.target.spec, kind)
     name = name or head.kind
@@ -286,6 +287,7 @@ def add_eagle_to_bundle(bundle_dir: str, checkpoint: str, kind: str = "auto", na
     rel = f"{name}/{head.kind}.safetensors"
     weights = {k: (v.astype(np.float16) if fp16 and v.dtype == np.float32 else v) for k, v in head.weights.items()}
     write_safetensors(writer.path(rel), weights)
-    writer.add_drafter(name, head.kind, files=[rel], params=head.params, target_taps=head.target_taps, spec=head.spec)
+    params = dict(head.params, **({"tree": dict(tree)} if tree else {}))
+    writer.add_drafter(name, head.kind, files=[rel], params=params, target_taps=head.target_taps, spec=head.spec)
     writer.write()
     return name
