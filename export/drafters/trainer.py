@@ -223,8 +223,9 @@ class TrainResult:
 
 
 def train(task: DrafterTask, target, data: Dict[str, list], cfg: TrainConfig, work: str, resume: bool = False,
-          log: Callable[[str], None] = print) -> TrainResult:
-    """Distil `task` from the frozen `target` until cfg.steps or cfg.budget_s; checkpoints in work/ckpt.pt."""
+          log: Callable[[str], None] = print, pause_at: Optional[int] = None) -> TrainResult:
+    """Distil `task` from the frozen `target` until cfg.steps or cfg.budget_s; checkpoints in work/ckpt.pt.
+    `pause_at`: stop after that step as an interrupted run would (checkpoint written, schedule unchanged)."""
     dist = Dist.from_env()
     if cfg.batch % dist.world:
         raise ValueError(f"batch {cfg.batch} rows cannot be split evenly over {dist.world} processes")
@@ -276,6 +277,7 @@ def train(task: DrafterTask, target, data: Dict[str, list], cfg: TrainConfig, wo
         # the stop decision must be the same in every process: rank 0's clock decides
         spent = elapsed + now - t0
         finished = step >= cfg.steps or _agree(dist, spent >= cfg.budget_s)
+        paused = pause_at is not None and step >= pause_at
         mean_loss = dist.mean(float(loss.item()))
         result.losses.append(mean_loss)
         if step % cfg.log_every == 0 or finished or step == start + 1:
@@ -286,10 +288,12 @@ def train(task: DrafterTask, target, data: Dict[str, list], cfg: TrainConfig, wo
                 + " ".join(f"{k} {v:.3f}" for k, v in numbers.items())
                 + f" lr {opt.param_groups[0]['lr']:.2e} {tokens / (now - t0):.0f} tok/s "
                   f"elapsed {spent / 60:.1f} min ETA {max(eta, 0) / 60:.1f} min")
-        if dist.rank == 0 and (now - t_ckpt > cfg.checkpoint_every_s or finished):
+        if dist.rank == 0 and (now - t_ckpt > cfg.checkpoint_every_s or finished or paused):
             save_checkpoint(ckpt, kind=task.kind, config=_plain(cfg), task=task.state_dict(), opt=opt.state_dict(),
                             step=step, elapsed=spent)
             t_ckpt = now
+        if paused:
+            break
     result.steps, result.seconds = step, elapsed + time.time() - t0
     task.eval()
     return result
