@@ -1,5 +1,5 @@
 """Write a runtime bundle from HF checkpoints: the target (+ its MTP module if it has one), an optional
-separate draft model, the n-gram drafter (no files), the tokenizer and the generation defaults.
+separate draft model, optional Medusa heads (`medusa` tree + `medusa_chain` drafters over one file), the n-gram drafter (no files), the tokenizer and the generation defaults.
 
 Nothing we did not write is ever deleted. The output directory must be new, empty, or an edgespec
 bundle holding only the files its manifest lists (replaced only with force=True); it may not be, hold
@@ -98,16 +98,16 @@ def _publish(staged: str, out: str) -> None:
 
 def build_bundle(target_dir: str, out: str, draft_dir: Optional[str] = None, name: Optional[str] = None,
                  default_drafter: Optional[str] = None, force: bool = False,
-                 extend: Optional[Callable[[str], None]] = None) -> str:
+                 extend: Optional[Callable[[str], None]] = None, medusa: Optional[str] = None) -> str:
     """Write `out` as a numpy_ref bundle; `extend(staged_dir)` may add other backends' files before the
     bundle is renamed into place. Returns `out`. Refuses outputs per `check_output`."""
-    check_output(out, [d for d in (target_dir, draft_dir) if d], force)
+    check_output(out, [d for d in (target_dir, draft_dir, medusa) if d], force)
     name = name or os.path.basename(os.path.normpath(os.path.abspath(out)))
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     staged = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.partial-", dir=parent)
     try:
-        _write_bundle(target_dir, staged, draft_dir, name, default_drafter)
+        _write_bundle(target_dir, staged, draft_dir, name, default_drafter, medusa)
         if extend is not None:
             extend(staged)
         os.chmod(staged, 0o755)  # mkdtemp makes it private; a bundle is read by other users (the ROS node)
@@ -119,7 +119,7 @@ def build_bundle(target_dir: str, out: str, draft_dir: Optional[str] = None, nam
 
 
 def _write_bundle(target_dir: str, out: str, draft_dir: Optional[str], name: str,
-                  default_drafter: Optional[str]) -> None:
+                  default_drafter: Optional[str], medusa: Optional[str] = None) -> None:
     target = read_hf_checkpoint(target_dir)
     if target.tokenizer_file is None:
         raise BundleError(f"{target_dir}: no tokenizer.json; the bundle needs the tokenizer the model was trained with")
@@ -140,6 +140,10 @@ def _write_bundle(target_dir: str, out: str, draft_dir: Optional[str], name: str
                       params={"num_modules": len(modules), "first_layer_index": spec.num_layers,
                               "layout": "deepseek_v3"},
                       target_taps=[f"layer_out.{spec.num_layers - 1}"])
+    if medusa:
+        from export.drafters.medusa import add_medusa_to_bundle
+
+        add_medusa_to_bundle(w, medusa, spec)
     chosen = default_drafter or "ngram"
     if draft_dir:
         draft = read_hf_checkpoint(draft_dir)

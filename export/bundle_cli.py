@@ -9,10 +9,11 @@ from runtime.errors import ConfigError
 HELP = """Build a bundle from HF model directories (config.json + safetensors; Llama, Qwen2 or Qwen3).
 
 The target's MTP module (DeepSeek-V3 keys at model.layers.N) becomes the bundle's `mtp` drafter, a
---draft directory becomes its `draft_model` drafter, and the n-gram drafter is always there.
+--draft directory becomes its `draft_model` drafter, --medusa heads its `medusa` (tree) and `medusa_chain`
+drafters, and the n-gram drafter is always there.
 
 examples:
-  edgespec bundle --target zoo/target --draft zoo/draft --out build/bundles/zoo --backends numpy_ref,onnx
+  edgespec bundle --target zoo/target --draft zoo/draft --medusa zoo/medusa --out build/bundles/zoo --backends numpy_ref,onnx
   edgespec bundle --target ~/models/Qwen3-0.6B --out build/bundles/qwen3
 """
 
@@ -25,6 +26,10 @@ def register(sub) -> None:
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, metavar="DIR", help="HF directory of the target model")
     p.add_argument("--draft", metavar="DIR", help="HF directory of a separate draft model (same tokenizer)")
+    p.add_argument("--medusa", metavar="PATH",
+                   help="Medusa heads for the target: a Medusa-1 head file (medusa_lm_head.safetensors, or .pt read "
+                        "with weights_only), its directory, or a Medusa-2 checkpoint (heads under medusa_head.); "
+                        "adds the drafters medusa (a tree) and medusa_chain")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="bundle directory to write: new or empty (an existing bundle is replaced only with "
                         "--force; a directory holding anything else is refused); never an input or inside one")
@@ -52,7 +57,7 @@ def run(args) -> int:
             print(f"bundle: added {', '.join(files)} in {time.perf_counter() - t1:.1f} s")
 
     out = build_bundle(args.target, args.out, args.draft, default_drafter=args.default_drafter, force=args.force,
-                       extend=add_backends)
+                       extend=add_backends, medusa=args.medusa)
     print(f"bundle: {out} ready ({', '.join(sorted(set(backends) | {'numpy_ref'}))}); tensor dtypes as stored:")
     for line in dtype_summary(out):
         print(f"  {line}")

@@ -24,6 +24,7 @@ from runtime.config import BackendConfig, RuntimeConfig
 from runtime.drafters.base import Drafter
 from runtime.drafters.draft_model import DraftModelDrafter
 from runtime.drafters.eagle import DynamicTree, EagleDrafter
+from runtime.drafters.medusa import MedusaDrafter
 from runtime.drafters.mtp import MTPDrafter, mtp_cache_shape
 from runtime.drafters.ngram import NgramDrafter
 from runtime.engine import DecodeStats, Engine, StopCheck
@@ -124,6 +125,11 @@ def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max
         cache = arena.allocate("mtp", mtp_cache_shape(spec), max_positions + num_tokens)
         return MTPDrafter(spec, weights, embed, head, cache, num_tokens=num_tokens,
                           layer_index=int(entry.params.get("first_layer_index", spec.num_layers)))
+    if entry.kind == "medusa":
+        spec = bundle.target.spec
+        return MedusaDrafter(load_weights(bundle, entry.files), tree=entry.params.get("tree", "chain"),
+                             num_tokens=num_tokens, source=f"{bundle.root}: drafters.{name}",
+                             hidden=spec.hidden_size, vocab=spec.vocab_size)
     raise BundleError(f"drafter kind {entry.kind!r} is not available in this runtime yet")
 
 
