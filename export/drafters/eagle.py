@@ -274,20 +274,29 @@ def _eagle3(w, spec: ModelSpec, target: ModelSpec, cfg, wrapper, source: str) ->
     return EagleHead("eagle3", spec, _float32(w), params, eagle3_taps(layers))
 
 
+ZOO_TREE = {"total_tokens": 16, "depth": 5, "top_k": 4}  # the zoo's EAGLE-2 tree (see BENCHMARKS.md)
+
+
 def add_eagle_to_bundle(bundle_dir: str, checkpoint: str, kind: str = "auto", name: Optional[str] = None,
-                        fp16: bool = False, tree: Optional[Dict[str, int]] = None) -> str:
-    """Add an EAGLE head to an existing bundle as drafter `name` (default: its kind). `tree` (total_tokens,
-    depth, top_k) makes it draft EAGLE-2 dynamic trees; without it, chains. Returns the name."""
+                        fp16: bool = False, tree: Optional[Dict[str, int]] = None,
+                        drafters: Optional[Dict[str, Optional[Dict[str, int]]]] = None) -> List[str]:
+    """Add an EAGLE head to an existing bundle. `drafters` maps drafter names to their EAGLE-2 dynamic tree
+    (total_tokens, depth, top_k) or None for chains; all share one weight file. Default: {name or the
+    head's kind: tree}. Returns the drafter names added."""
     bundle = load_bundle(bundle_dir)
     head = load_eagle(checkpoint, bundle.target.spec, kind)
-    name = name or head.kind
-    if name in bundle.drafters:
-        raise BundleError(f"{bundle_dir}: already has a drafter {name!r}; choose another --name")
+    drafters = drafters or {name or head.kind: tree}
+    for n in drafters:
+        if n in bundle.drafters:
+            raise BundleError(f"{bundle_dir}: already has a drafter {n!r}; choose another name")
     writer = BundleWriter.extend(bundle_dir)
-    rel = f"{name}/{head.kind}.safetensors"
+    rel = f"{head.kind}/{head.kind}.safetensors"
+    if os.path.exists(writer.path(rel)):
+        rel = f"{next(iter(drafters))}/{head.kind}.safetensors"
     weights = {k: (v.astype(np.float16) if fp16 and v.dtype == np.float32 else v) for k, v in head.weights.items()}
     write_safetensors(writer.path(rel), weights)
-    params = dict(head.params, **({"tree": dict(tree)} if tree else {}))
-    writer.add_drafter(name, head.kind, files=[rel], params=params, target_taps=head.target_taps, spec=head.spec)
+    for n, t in drafters.items():
+        params = dict(head.params, **({"tree": dict(t)} if t else {}))
+        writer.add_drafter(n, head.kind, files=[rel], params=params, target_taps=head.target_taps, spec=head.spec)
     writer.write()
-    return name
+    return list(drafters)
