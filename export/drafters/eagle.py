@@ -181,8 +181,9 @@ def _layer_shapes(w, p: str, spec: ModelSpec, attn_in: int) -> None:
 
 
 def _float32(w: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-    return {k: (np.ascontiguousarray(v, np.float32) if np.issubdtype(v.dtype, np.floating) else np.ascontiguousarray(v))
-            for k, v in w.items()}
+    """Floats as float32, except fp16 tensors, kept as stored (the runtime widens them at load)."""
+    return {k: (np.ascontiguousarray(v, np.float32) if np.issubdtype(v.dtype, np.floating) and v.dtype != np.float16
+                else np.ascontiguousarray(v)) for k, v in w.items()}
 
 
 def _eagle1(w, spec: ModelSpec, target: ModelSpec, cfg, wrapper) -> EagleHead:
