@@ -46,3 +46,34 @@ def test_a_standin_bundle_is_labelled_as_a_stand_in(tiny_bundle, tmp_path, capsy
     code, out, _ = run_cli(["bench", "--bundle", copy, "--drafters", "ngram"] + FAST, capsys)
     assert code == 0 and "STAND-IN" in out and "ngram *" in out and "* stand-in rows" in out
     assert f"{CONTROL} *" in out
+
+
+def test_peers_run_on_the_same_weights_interleaved_and_their_greedy_output_is_checked(tiny_bundle, capsys):
+    hf = os.path.dirname(tiny_bundle)  # the tiny bundle's HF folders: target/, draft/
+    code, out, err = run_cli(["bench", "--bundle", tiny_bundle, "--drafters", "draft_model", "--json",
+                              "--peers", "hf_assisted,ortgenai", "--peer-target", os.path.join(hf, "target"),
+                              "--peer-draft", os.path.join(hf, "draft")] + FAST, capsys)
+    rows = json.loads(out)
+    peers = {r["drafter"]: r for r in rows if r.get("peer")}
+    assert code == 0 and set(peers) == {"peer:hf_assisted", "peer:ortgenai"}, err
+    for r in peers.values():
+        assert "unavailable" not in r and r["identical_to_plain"] is True and r["rounds"] == 1
+        assert r["edgespec_best"] in ("none", "draft_model") and r["edgespec_best_over_peer"] > 0
+
+
+def test_a_peer_that_cannot_run_gets_a_row_saying_why_and_the_bench_goes_on(tiny_bundle, tmp_path, capsys):
+    hf = os.path.dirname(tiny_bundle)
+    missing = str(tmp_path / "no-draft-here")
+    # both draft-model peers: the draft folder is missing
+    code, out, _ = run_cli(["bench", "--bundle", tiny_bundle, "--drafters", "ngram", "--peers",
+                            "hf_assisted,ortgenai_draft", "--peer-target", os.path.join(hf, "target"),
+                            "--peer-draft", missing] + FAST, capsys)
+    lines = [line for line in out.splitlines() if "unavailable:" in line]
+    assert code == 0 and len(lines) == 2 and "no-draft-here" in lines[0], out
+
+
+def test_peers_on_a_bundle_of_unknown_origin_need_the_hf_folder(tiny_bundle, capsys):
+    code, _, err = run_cli(["bench", "--bundle", tiny_bundle, "--peers", "hf"] + FAST, capsys)
+    assert code == 2 and "--peer-target" in err and "Traceback" not in err
+    code, _, err = run_cli(["bench", "--bundle", tiny_bundle, "--peers", "vllm"] + FAST, capsys)
+    assert code == 2 and "--peers" in err and "ortgenai" in err

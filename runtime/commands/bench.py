@@ -15,15 +15,18 @@ speedup 2.0x [1.5-2.2] (the slow third round, a busy neighbour, hurt both and ca
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from runtime import bundle as bundle_io
-from runtime.commands.common import add_model_args, runtime_config
+from runtime.commands.common import add_model_args, edgespec_root, runtime_config
+from runtime.engine import DecodeStats
 from runtime.errors import ConfigError
 from runtime.prompts import action_prompt, planner_prompt, text_prompt
 from runtime.session import DRAFTER_CHOICES, GenerationParams, Session
@@ -72,6 +75,16 @@ def register(sub) -> None:
                         "configuration runs at each")
     p.add_argument("--seed", type=int, help="RNG seed for sampling, >= 0 (default 0); round r, prompt i use seed + "
                                             "1000 r + i in every configuration")
+    p.add_argument("--peers", default="",
+                   help="comma-separated peers to run on the same weights and prompts, greedy only, interleaved "
+                        "with edgespec: hf, hf_assisted, hf_lookup (transformers), ortgenai, ortgenai_draft, "
+                        "ortgenai_ngram (onnxruntime-genai), or 'all'; needs the workstation packages and the HF "
+                        "folders below. A peer that cannot run gets a row saying why")
+    p.add_argument("--peer-target", metavar="DIR",
+                   help="HF folder of the target the peers load (default: zoo/target for the zoo bundle, "
+                        "build/standin for the stand-in)")
+    p.add_argument("--peer-draft", metavar="DIR", help="HF folder of the draft model for the draft-model peers "
+                                                     "(default: zoo/draft for the zoo bundles)")
     p.add_argument("--json", action="store_true", help="print one JSON list of rows instead of the table")
     p.set_defaults(func=run)
 
@@ -155,6 +168,65 @@ def row(label: str, drafter: str, temp: float, t: Tally, base: Tally, session, b
     }
 
 
+PEER_MODULE = "export.peers"  # workstation package, imported by name as runtime.cli does: never a robot dependency
+
+
+@dataclass
+class PeerRun:
+    """A peer's generation in the shape Tally.add reads from an edgespec result."""
+    token_ids: List[int]
+    stats: DecodeStats
+
+
+def default_peer_dirs(bundle_name: str):
+    """(target, draft) HF folders the zoo bundles were made from, under the source tree; (None, None) else."""
+    root = edgespec_root()
+    target = {"zoo": "zoo/target", "zoo-standin": "build/standin"}.get(bundle_name)
+    if target is None:
+        return None, None
+    return os.path.join(root, target), os.path.join(root, "zoo/draft")
+
+
+def open_peers(args, bundle_name: str, eos_ids) -> Tuple[Dict[str, object], Dict[str, str]]:
+    """({name: ready peer}, {name: why it cannot run}) for --peers; ConfigError for a bad list."""
+    text = (args.peers or "").strip()
+    if not text:
+        return {}, {}
+    try:
+        peers = importlib.import_module(PEER_MODULE)
+    except ImportError as exc:
+        raise ConfigError(f"--peers: the peers live in the workstation package ({exc}); install it with "
+                          "pip install -e '.[export]' and run from the source tree")
+    names = list(peers.PEER_NAMES) if text == "all" else split_list("--peers", text, peers.PEER_NAMES)
+    target, draft = default_peer_dirs(bundle_name)
+    target, draft = args.peer_target or target, args.peer_draft or draft
+    if target is None:
+        raise ConfigError(f"--peer-target: bundle {bundle_name!r} is not a zoo bundle; give the HF folder of its "
+                          "target (--peer-target DIR, and --peer-draft DIR for the draft-model peers)")
+    models = peers.PeerModels(target=target, draft=draft, eos_ids=tuple(sorted(eos_ids)))
+    cache = os.path.join(edgespec_root(), ".cache", "peers")
+    ready, unavailable = {}, {}
+    for name in names:
+        print(f"bench: preparing peer {name}", file=sys.stderr, flush=True)
+        try:
+            ready[name] = peers.open_peer(name, models, cache)
+        except peers.PeerUnavailable as exc:
+            unavailable[name] = str(exc)
+    return ready, unavailable
+
+
+def run_peer(peer, prompt_ids: List[int], max_tokens: int) -> PeerRun:
+    """One greedy generation by a peer, timed like edgespec's wall_s (prefill included)."""
+    t0 = time.perf_counter()
+    ids, extra = peer.generate(prompt_ids, max_tokens)
+    wall = time.perf_counter() - t0
+    stats = DecodeStats(tokens=len(ids), wall_s=wall, other_s=wall, drafter=peer.name)
+    forwards = int(extra.get("target_forwards", 0))
+    if forwards > 1 and ids:  # the prefill gives the first token; each later forward, the rest
+        stats.cycles, stats.tau = forwards - 1, (len(ids) - 1) / (forwards - 1)
+    return PeerRun(list(ids), stats)
+
+
 def run(args) -> int:
     cfg = runtime_config(args)
     if args.rounds < 1:
@@ -168,33 +240,78 @@ def run(args) -> int:
     configs[CONTROL] = "none"
     prompts = [p for d in domains for p in BENCH_PROMPTS[d]]
     sessions = {label: Session(replace(cfg, drafter=replace(cfg.drafter, kind=kind))) for label, kind in configs.items()}
+    peers: Dict[str, object] = {}
     try:
+        peers, unavailable = open_peers(args, bundle.name, sessions["none"].engine.eos)
+        prompt_ids = [sessions["none"].tokenizer.encode(p) for p in prompts]
+        max_tokens = cfg.generation.max_tokens
         for s in sessions.values():
             s.generate(prompts[0], GenerationParams(max_tokens=4))  # warm-up (caches, allocations)
-        tallies = {(label, t): Tally() for label in configs for t in temps}
-        labels = list(configs)
+        for name in list(peers):  # a peer that fails here (its library refuses the model) becomes a row saying why
+            try:
+                run_peer(peers[name], prompt_ids[0], 4)
+            except Exception as exc:  # noqa: BLE001 - any peer library error; edgespec's own rows go on
+                unavailable[name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
+                peers.pop(name).close()
+        tallies = {(label, t): Tally() for label in list(configs) + list(peers) for t in temps}
+        labels = list(configs) + list(peers)  # peers run at temperature 0 only (their output is checked)
         start = time.perf_counter()
         for r in range(args.rounds):
             for t in temps:
                 for i, prompt in enumerate(prompts):
-                    params = GenerationParams(max_tokens=cfg.generation.max_tokens, temperature=t,
+                    params = GenerationParams(max_tokens=max_tokens, temperature=t,
                                               seed=cfg.generation.seed + 1000 * r + i)
                     k = (r * len(prompts) + i) % len(labels)  # rotated, so no configuration always runs first
                     for label in labels[k:] + labels[:k]:  # back to back: A B C, B C A, ...
-                        tallies[label, t].add(r, sessions[label].generate(prompt, params))
+                        if label in peers:
+                            if t == 0.0:
+                                tallies[label, t].add(r, run_peer(peers[label], prompt_ids[i], max_tokens))
+                        else:
+                            tallies[label, t].add(r, sessions[label].generate(prompt, params))
             done = time.perf_counter() - start
             print(f"bench: round {r + 1}/{args.rounds} done, {done:.0f} s, ETA {done / (r + 1) * (args.rounds - r - 1):.0f} s",
                   file=sys.stderr, flush=True)
         table = [row(label, kind, t, tallies[label, t], tallies["none", t], sessions[label], bundle.name)
                  for t in temps for label, kind in configs.items()]
+        if 0.0 in temps:
+            table += peer_rows(peers, unavailable, tallies, table, bundle.name)
     finally:
         for s in sessions.values():
             s.close()
+        for peer in peers.values():
+            peer.close()
     if args.json:
         print(json.dumps(table))
     else:
         print_table(table, bundle.name, prompts, domains, cfg, args.rounds)
     return 0 if all(t["identical_to_plain"] is not False for t in table) else 1
+
+
+def peer_rows(peers, unavailable, tallies, table, bundle_name: str) -> List[Dict[str, object]]:
+    """One row per peer at temperature 0: its tok/s, its ratio to edgespec's plain decoding, and edgespec's
+    best greedy configuration over it (median of per-round ratios), or why it could not run."""
+    greedy = [t for t in table if t["temperature"] == 0.0 and not t["control"]]
+    best = max(greedy, key=lambda t: t["speedup"])
+    best_tps = tallies[best["label"], 0.0].round_tps()
+    plain = tallies["none", 0.0]
+    rows = []
+    for name, peer in peers.items():
+        t = tallies[name, 0.0]
+        cyc = t.cycles
+        rows.append({
+            "drafter": f"peer:{name}", "label": peer.label, "control": False, "temperature": 0.0, "peer": True,
+            "bundle": bundle_name, "standin": "standin" in bundle_name.lower(), "backend": "peer",
+            "rounds": len(t.round_tps()), "tokens": sum(t.round_tokens),
+            "tokens_per_s": statistics.median(t.round_tps()), **paired_speedup(t.round_tps(), plain.round_tps()),
+            "tau": t.tau_sum / cyc if cyc else None,
+            "edgespec_best": best["label"],
+            "edgespec_best_over_peer": statistics.median(a / b for a, b in zip(best_tps, t.round_tps())),
+            "identical_to_plain": t.outputs == plain.outputs,
+        })
+    for name, why in unavailable.items():
+        rows.append({"drafter": f"peer:{name}", "label": name, "control": False, "temperature": 0.0, "peer": True,
+                     "bundle": bundle_name, "unavailable": why, "identical_to_plain": None})
+    return rows
 
 
 def print_table(table: List[Dict[str, object]], bundle_name: str, prompts, domains, cfg, rounds: int) -> None:
@@ -206,6 +323,8 @@ def print_table(table: List[Dict[str, object]], bundle_name: str, prompts, domai
     print(f"{'drafter':17s} {'T':>4s} {'tok/s':>7s} {'speedup':>8s} {'[min-max]':>12s} {'tau':>5s} {'ms/cycle':>9s} "
           f"{'draft':>7s} {'verify':>7s} {'other':>7s} {'MiB':>6s}  identical")
     for t in table:
+        if t.get("peer"):
+            continue
         label = t["label"] + (" *" if standin else "")
         ident = {True: "yes", False: "NO", None: "n/a"}[t["identical_to_plain"]]
         print(f"{label:17s} {t['temperature']:4.1f} {t['tokens_per_s']:7.1f} {t['speedup']:7.2f}x "
@@ -216,3 +335,16 @@ def print_table(table: List[Dict[str, object]], bundle_name: str, prompts, domai
         print("* stand-in rows: the target is the zoo target widened with zero weights (edgespec zoo standin); tau is "
               "the zoo's, tok/s is a wider model's")
     print(f"'{CONTROL}' is plain decoding measured again like a drafter: its spread is this run's noise")
+    peers = [t for t in table if t.get("peer")]
+    if peers:
+        print("\npeers, same weights and prompts, greedy, interleaved with the rows above (speedup: over edgespec's "
+              "plain decoding; edgespec/peer: edgespec's best greedy row over the peer, median of per-round ratios)")
+        print(f"{'peer':24s} {'tok/s':>7s} {'speedup':>8s} {'tau':>5s} {'edgespec/peer':>14s}  identical")
+        for t in peers:
+            if "unavailable" in t:
+                print(f"{t['label']:24s} unavailable: {t['unavailable']}")
+                continue
+            tau = f"{t['tau']:5.2f}" if t["tau"] else "    -"
+            ident = {True: "yes", False: "NO", None: "n/a"}[t["identical_to_plain"]]
+            print(f"{t['label']:24s} {t['tokens_per_s']:7.1f} {t['speedup']:7.2f}x {tau} "
+                  f"{t['edgespec_best_over_peer']:13.2f}x  {ident}   ({t['edgespec_best']})")
