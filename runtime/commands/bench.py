@@ -15,18 +15,22 @@ speedup 2.0x [1.5-2.2] (the slow third round, a busy neighbour, hurt both and ca
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Tuple
+from dataclasses import replace
+from typing import Dict, List, Tuple
+
+import numpy as np
 
 from runtime import bundle as bundle_io
-from runtime.commands.common import add_model_args, edgespec_root, runtime_config
-from runtime.engine import DecodeStats
+from runtime import memory
+from runtime.bench_backend import measure_bandwidth
+from runtime.commands.bench_peers import open_peers, peer_request, peer_rows, run_peer
+from runtime.commands.bench_plot import write_plots
+from runtime.commands.bench_tally import Tally, paired_speedup  # noqa: F401 (paired_speedup: part of this command's API)
+from runtime.commands.common import add_model_args, runtime_config, split_list
 from runtime.errors import ConfigError
 from runtime.prompts import action_prompt, planner_prompt, text_prompt
 from runtime.session import DRAFTER_CHOICES, GenerationParams, Session
@@ -65,8 +69,12 @@ def register(sub) -> None:
                    help="comma-separated drafters to compare (default none,ngram,draft_model); 'none' (plain "
                         "decoding) is always run as the baseline, and again as the control row")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt, >= 1 (default 64)")
-    p.add_argument("--domains", default=",".join(BENCH_PROMPTS),
-                   help=f"comma-separated prompt sets to run, of {', '.join(BENCH_PROMPTS)} (default all)")
+    p.add_argument("--domains",
+                   help=f"comma-separated prompt sets to run, of {', '.join(BENCH_PROMPTS)}, and 'file' for --prompts "
+                        "(default: all built-in sets, or only 'file' when --prompts is given)")
+    p.add_argument("--prompts", metavar="FILE",
+                   help="your own prompts, one per line, used verbatim (already in the model's prompt format; a "
+                        "literal \\n in a line is a newline): the prompt set 'file'")
     p.add_argument("--rounds", "--repeats", dest="rounds", type=int, default=3,
                    help="interleaved rounds, >= 1 (default 3): each round runs every prompt under every "
                         "configuration back to back; the speedup is the median of the per-round ratios")
@@ -85,17 +93,10 @@ def register(sub) -> None:
                         "build/standin for the stand-in)")
     p.add_argument("--peer-draft", metavar="DIR", help="HF folder of the draft model for the draft-model peers "
                                                      "(default: zoo/draft for the zoo bundles)")
+    p.add_argument("--plot", metavar="DIR", help="also write PNGs into DIR (needs matplotlib): speedup per drafter "
+                                                 "and domain with its spread, tau vs draft length, time per cycle")
     p.add_argument("--json", action="store_true", help="print one JSON list of rows instead of the table")
     p.set_defaults(func=run)
-
-
-def split_list(flag: str, text: str, known) -> List[str]:
-    """The names of a comma-separated flag, each one of `known`, or a ConfigError naming the flag."""
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in known]
-    if not names or unknown:
-        raise ConfigError(f"{flag}: got {text!r}, expected a comma-separated list of {sorted(known)}")
-    return names
 
 
 def parse_temperatures(text: str) -> List[float]:
@@ -108,49 +109,43 @@ def parse_temperatures(text: str) -> List[float]:
     return temps
 
 
-@dataclass
-class Tally:
-    """One configuration at one temperature: totals over all rounds, and tok/s of each round."""
-    round_tokens: List[int] = field(default_factory=list)  # (rounds,)
-    round_wall: List[float] = field(default_factory=list)  # (rounds,) seconds
-    cycles: int = 0
-    tau_sum: float = 0.0
-    prefill: float = 0.0
-    draft: float = 0.0
-    verify: float = 0.0
-    other: float = 0.0
-    outputs: List[List[int]] = field(default_factory=list)  # token ids of every (round, prompt)
-
-    def add(self, r: int, res) -> None:
-        s = res.stats
-        if len(self.round_tokens) <= r:
-            self.round_tokens.append(0)
-            self.round_wall.append(0.0)
-        self.round_tokens[r] += s.tokens
-        self.round_wall[r] += s.wall_s
-        self.cycles += s.cycles
-        self.tau_sum += s.tau * s.cycles
-        self.prefill += s.prefill_s
-        self.draft += s.draft_s
-        self.verify += s.verify_s
-        self.other += s.other_s
-        self.outputs.append(list(res.token_ids))
-
-    def round_tps(self) -> List[float]:
-        return [t / w for t, w in zip(self.round_tokens, self.round_wall)]
+def read_prompts(path: str) -> List[str]:
+    """The prompts of a --prompts file: one per non-empty line, a literal \\n turned into a newline."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--prompts: cannot read {path}: {exc}")
+    prompts = [line.replace("\\n", "\n") for line in lines if line.strip()]
+    if not prompts:
+        raise ConfigError(f"--prompts: {path} has no prompt (expected one per line)")
+    return prompts
 
 
-def paired_speedup(tps: List[float], base_tps: List[float]) -> Dict[str, object]:
-    """Median, min and max of the per-round ratios tps[r] / base_tps[r].
-
-    >>> paired_speedup([80, 84, 30], [40, 38, 20])["speedup"]
-    2.0"""
-    ratios = [a / b for a, b in zip(tps, base_tps)]
-    return {"speedup": statistics.median(ratios), "speedup_min": min(ratios), "speedup_max": max(ratios),
-            "speedup_per_round": ratios}
+def weight_bytes_per_forward(session) -> int:
+    """Target weight bytes one forward reads (its layers and LM head; the embedding is one row per token)."""
+    body, head = memory.weight_bytes(session.plan_inputs.target, session.plan_inputs.precision,
+                                     session.plan_inputs.head_precision)
+    return body + head
 
 
-def row(label: str, drafter: str, temp: float, t: Tally, base: Tally, session, bundle_name: str) -> Dict[str, object]:
+def near_tie(session, prompt_ids: List[int], plain: List[int], other: List[int]) -> Dict[str, object]:
+    """Where a greedy output first differs from plain decoding's, and the target's logit gap there between
+    the two tokens (a gap of ~1e-6 is a float near-tie: batched and one-token forwards round differently)."""
+    j = next((i for i, (a, b) in enumerate(zip(plain, other)) if a != b), min(len(plain), len(other)))
+    out: Dict[str, object] = {"position": j, "plain_token": plain[j] if j < len(plain) else None,
+                              "other_token": other[j] if j < len(other) else None}
+    if out["plain_token"] is None or out["other_token"] is None:
+        return out  # one stopped (EOS) where the other went on: the EOS logit decided it
+    ids = np.asarray(list(prompt_ids) + list(plain[:j]), np.int64)
+    session.target.reset()
+    logits = session.target.forward(ids, np.arange(len(ids)), None, ()).logits[-1]
+    out["logit_gap"] = float(logits[plain[j]] - logits[other[j]])
+    return out
+
+
+def row(label: str, drafter: str, temp: float, t: Tally, base: Tally, session, bundle_name: str,
+        by_domain: Dict[str, Tuple[Tally, Tally]], bytes_per_forward: int) -> Dict[str, object]:
     cyc = max(t.cycles, 1)
     decode_wall = sum(t.round_wall) - t.prefill
     greedy = temp == 0.0
@@ -163,68 +158,13 @@ def row(label: str, drafter: str, temp: float, t: Tally, base: Tally, session, b
         "ms_per_cycle": 1e3 * decode_wall / cyc, "draft_ms": 1e3 * t.draft / cyc,
         "verify_ms": 1e3 * t.verify / cyc, "other_ms": 1e3 * t.other / cyc,
         "memory_mib": session.memory_in_use() / 2**20,
+        "acceptance_by_depth": t.acceptance_by_depth(),
+        "target_gb_per_s": bytes_per_forward * t.forwards / sum(t.round_wall) / 1e9,  # target weights read
+        "by_domain": {d: {"tokens_per_s": statistics.median(dt.round_tps()), "tau": dt.tau_sum / dt.cycles if dt.cycles else 1.0,
+                          **paired_speedup(dt.round_tps(), db.round_tps())} for d, (dt, db) in by_domain.items()},
         # sampled outputs legitimately differ between drafters (each consumes the RNG its own way)
         "identical_to_plain": t.outputs == base.outputs if greedy else None,
     }
-
-
-PEER_MODULE = "export.peers"  # workstation package, imported by name as runtime.cli does: never a robot dependency
-
-
-@dataclass
-class PeerRun:
-    """A peer's generation in the shape Tally.add reads from an edgespec result."""
-    token_ids: List[int]
-    stats: DecodeStats
-
-
-def default_peer_dirs(bundle_name: str):
-    """(target, draft) HF folders the zoo bundles were made from, under the source tree; (None, None) else."""
-    root = edgespec_root()
-    target = {"zoo": "zoo/target", "zoo-standin": "build/standin"}.get(bundle_name)
-    if target is None:
-        return None, None
-    return os.path.join(root, target), os.path.join(root, "zoo/draft")
-
-
-def open_peers(args, bundle_name: str, eos_ids) -> Tuple[Dict[str, object], Dict[str, str]]:
-    """({name: ready peer}, {name: why it cannot run}) for --peers; ConfigError for a bad list."""
-    text = (args.peers or "").strip()
-    if not text:
-        return {}, {}
-    try:
-        peers = importlib.import_module(PEER_MODULE)
-    except ImportError as exc:
-        raise ConfigError(f"--peers: the peers live in the workstation package ({exc}); install it with "
-                          "pip install -e '.[export]' and run from the source tree")
-    names = list(peers.PEER_NAMES) if text == "all" else split_list("--peers", text, peers.PEER_NAMES)
-    target, draft = default_peer_dirs(bundle_name)
-    target, draft = args.peer_target or target, args.peer_draft or draft
-    if target is None:
-        raise ConfigError(f"--peer-target: bundle {bundle_name!r} is not a zoo bundle; give the HF folder of its "
-                          "target (--peer-target DIR, and --peer-draft DIR for the draft-model peers)")
-    models = peers.PeerModels(target=target, draft=draft, eos_ids=tuple(sorted(eos_ids)))
-    cache = os.path.join(edgespec_root(), ".cache", "peers")
-    ready, unavailable = {}, {}
-    for name in names:
-        print(f"bench: preparing peer {name}", file=sys.stderr, flush=True)
-        try:
-            ready[name] = peers.open_peer(name, models, cache)
-        except peers.PeerUnavailable as exc:
-            unavailable[name] = str(exc)
-    return ready, unavailable
-
-
-def run_peer(peer, prompt_ids: List[int], max_tokens: int) -> PeerRun:
-    """One greedy generation by a peer, timed like edgespec's wall_s (prefill included)."""
-    t0 = time.perf_counter()
-    ids, extra = peer.generate(prompt_ids, max_tokens)
-    wall = time.perf_counter() - t0
-    stats = DecodeStats(tokens=len(ids), wall_s=wall, other_s=wall, drafter=peer.name)
-    forwards = int(extra.get("target_forwards", 0))
-    if forwards > 1 and ids:  # the prefill gives the first token; each later forward, the rest
-        stats.cycles, stats.tau = forwards - 1, (len(ids) - 1) / (forwards - 1)
-    return PeerRun(list(ids), stats)
 
 
 def run(args) -> int:
@@ -232,49 +172,67 @@ def run(args) -> int:
     if args.rounds < 1:
         raise ConfigError(f"--rounds: got {args.rounds}, expected >= 1")
     temps = parse_temperatures(args.temperatures)
-    domains = split_list("--domains", args.domains, BENCH_PROMPTS)
+    sets = dict(BENCH_PROMPTS)
+    if args.prompts:
+        sets["file"] = read_prompts(args.prompts)
+    domains = split_list("--domains", args.domains or ("file" if args.prompts else ",".join(BENCH_PROMPTS)), sets)
     bundle = bundle_io.load(cfg.bundle, verify_checksums=False)  # the names are checked before anything runs
     names = split_list("--drafters", args.drafters, set(DRAFTER_CHOICES) | set(bundle.drafters))
     names = ["none"] + [n for n in dict.fromkeys(names) if n != "none"]
     configs = {n: n for n in names}
     configs[CONTROL] = "none"
-    prompts = [p for d in domains for p in BENCH_PROMPTS[d]]
+    prompts = [(d, p) for d in domains for p in sets[d]]  # (domain, text)
+    wanted_peers = peer_request(args, bundle.name)
+    bandwidth = measure_bandwidth(128 << 20, 3)  # the bound this run's tok/s is read against, measured in the run
     sessions = {label: Session(replace(cfg, drafter=replace(cfg.drafter, kind=kind))) for label, kind in configs.items()}
     peers: Dict[str, object] = {}
     try:
-        peers, unavailable = open_peers(args, bundle.name, sessions["none"].engine.eos)
-        prompt_ids = [sessions["none"].tokenizer.encode(p) for p in prompts]
+        peers, unavailable = open_peers(wanted_peers, sessions["none"].engine.eos)
+        prompt_ids = [sessions["none"].tokenizer.encode(p) for _, p in prompts]
         max_tokens = cfg.generation.max_tokens
         for s in sessions.values():
-            s.generate(prompts[0], GenerationParams(max_tokens=4))  # warm-up (caches, allocations)
+            s.generate(prompts[0][1], GenerationParams(max_tokens=4))  # warm-up (caches, allocations)
         for name in list(peers):  # a peer that fails here (its library refuses the model) becomes a row saying why
             try:
                 run_peer(peers[name], prompt_ids[0], 4)
             except Exception as exc:  # noqa: BLE001 - any peer library error; edgespec's own rows go on
                 unavailable[name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
                 peers.pop(name).close()
-        tallies = {(label, t): Tally() for label in list(configs) + list(peers) for t in temps}
         labels = list(configs) + list(peers)  # peers run at temperature 0 only (their output is checked)
+        tallies = {(label, t, d): Tally() for label in labels for t in temps for d in ["all"] + domains}
         start = time.perf_counter()
         for r in range(args.rounds):
             for t in temps:
-                for i, prompt in enumerate(prompts):
+                for i, (domain, prompt) in enumerate(prompts):
                     params = GenerationParams(max_tokens=max_tokens, temperature=t,
                                               seed=cfg.generation.seed + 1000 * r + i)
                     k = (r * len(prompts) + i) % len(labels)  # rotated, so no configuration always runs first
                     for label in labels[k:] + labels[:k]:  # back to back: A B C, B C A, ...
-                        if label in peers:
-                            if t == 0.0:
-                                tallies[label, t].add(r, run_peer(peers[label], prompt_ids[i], max_tokens))
-                        else:
-                            tallies[label, t].add(r, sessions[label].generate(prompt, params))
+                        if label in peers and t != 0.0:
+                            continue
+                        res = (run_peer(peers[label], prompt_ids[i], max_tokens) if label in peers
+                               else sessions[label].generate(prompt, params))
+                        tallies[label, t, "all"].add(r, res)
+                        tallies[label, t, domain].add(r, res)
             done = time.perf_counter() - start
             print(f"bench: round {r + 1}/{args.rounds} done, {done:.0f} s, ETA {done / (r + 1) * (args.rounds - r - 1):.0f} s",
                   file=sys.stderr, flush=True)
-        table = [row(label, kind, t, tallies[label, t], tallies["none", t], sessions[label], bundle.name)
-                 for t in temps for label, kind in configs.items()]
+        per_forward = weight_bytes_per_forward(sessions["none"])
+        table = []
+        for t in temps:
+            for label, kind in configs.items():
+                tally, base = tallies[label, t, "all"], tallies["none", t, "all"]
+                by_domain = {d: (tallies[label, t, d], tallies["none", t, d]) for d in domains}
+                table.append(row(label, kind, t, tally, base, sessions[label], bundle.name, by_domain, per_forward))
+                if table[-1]["identical_to_plain"] is False:
+                    n = next(n for n, (a, b) in enumerate(zip(base.outputs, tally.outputs)) if a != b)
+                    table[-1]["near_tie"] = dict(near_tie(sessions["none"], prompt_ids[n % len(prompts)],
+                                                          base.outputs[n], tally.outputs[n]), prompt=n % len(prompts))
+        for r in table:
+            r["bandwidth_bound_gb_per_s"] = bandwidth / 1e9
         if 0.0 in temps:
-            table += peer_rows(peers, unavailable, tallies, table, bundle.name)
+            table += peer_rows(peers, unavailable, {(k[0], k[1]): v for k, v in tallies.items() if k[2] == "all"},
+                               table, bundle.name)
     finally:
         for s in sessions.values():
             s.close()
@@ -283,35 +241,11 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(table))
     else:
-        print_table(table, bundle.name, prompts, domains, cfg, args.rounds)
+        print_table(table, bundle.name, [p for _, p in prompts], domains, cfg, args.rounds)
+    if args.plot:
+        for path in write_plots(table, args.plot):
+            print(f"bench: wrote {path}", file=sys.stderr)
     return 0 if all(t["identical_to_plain"] is not False for t in table) else 1
-
-
-def peer_rows(peers, unavailable, tallies, table, bundle_name: str) -> List[Dict[str, object]]:
-    """One row per peer at temperature 0: its tok/s, its ratio to edgespec's plain decoding, and edgespec's
-    best greedy configuration over it (median of per-round ratios), or why it could not run."""
-    greedy = [t for t in table if t["temperature"] == 0.0 and not t["control"]]
-    best = max(greedy, key=lambda t: t["speedup"])
-    best_tps = tallies[best["label"], 0.0].round_tps()
-    plain = tallies["none", 0.0]
-    rows = []
-    for name, peer in peers.items():
-        t = tallies[name, 0.0]
-        cyc = t.cycles
-        rows.append({
-            "drafter": f"peer:{name}", "label": peer.label, "control": False, "temperature": 0.0, "peer": True,
-            "bundle": bundle_name, "standin": "standin" in bundle_name.lower(), "backend": "peer",
-            "rounds": len(t.round_tps()), "tokens": sum(t.round_tokens),
-            "tokens_per_s": statistics.median(t.round_tps()), **paired_speedup(t.round_tps(), plain.round_tps()),
-            "tau": t.tau_sum / cyc if cyc else None,
-            "edgespec_best": best["label"],
-            "edgespec_best_over_peer": statistics.median(a / b for a, b in zip(best_tps, t.round_tps())),
-            "identical_to_plain": t.outputs == plain.outputs,
-        })
-    for name, why in unavailable.items():
-        rows.append({"drafter": f"peer:{name}", "label": name, "control": False, "temperature": 0.0, "peer": True,
-                     "bundle": bundle_name, "unavailable": why, "identical_to_plain": None})
-    return rows
 
 
 def print_table(table: List[Dict[str, object]], bundle_name: str, prompts, domains, cfg, rounds: int) -> None:
@@ -320,20 +254,31 @@ def print_table(table: List[Dict[str, object]], bundle_name: str, prompts, domai
           f"{len(prompts)} prompts ({','.join(domains)}), max_tokens={cfg.generation.max_tokens}, "
           f"backend={table[0]['backend']}, {rounds} interleaved rounds; speedup = median of per-round tok/s ratios "
           "to 'none' [min-max]")
-    print(f"{'drafter':17s} {'T':>4s} {'tok/s':>7s} {'speedup':>8s} {'[min-max]':>12s} {'tau':>5s} {'ms/cycle':>9s} "
-          f"{'draft':>7s} {'verify':>7s} {'other':>7s} {'MiB':>6s}  identical")
+    print(f"{'drafter':17s} {'T':>4s} {'tok/s':>7s} {'speedup':>8s} {'[min-max]':>12s} {'tau':>5s} {'accept d1-4':>15s} "
+          f"{'ms/cycle':>9s} {'draft':>7s} {'verify':>7s} {'other':>7s} {'GB/s':>6s} {'MiB':>6s}  identical")
     for t in table:
         if t.get("peer"):
             continue
         label = t["label"] + (" *" if standin else "")
         ident = {True: "yes", False: "NO", None: "n/a"}[t["identical_to_plain"]]
+        acc = " ".join(f"{a:.2f}"[1:] if a < 1 else "1.0" for a in t["acceptance_by_depth"][:4]) or "-"
         print(f"{label:17s} {t['temperature']:4.1f} {t['tokens_per_s']:7.1f} {t['speedup']:7.2f}x "
               f"{'[' + format(t['speedup_min'], '.2f') + '-' + format(t['speedup_max'], '.2f') + ']':>12s} "
-              f"{t['tau']:5.2f} {t['ms_per_cycle']:9.2f} {t['draft_ms']:7.2f} {t['verify_ms']:7.2f} "
-              f"{t['other_ms']:7.2f} {t['memory_mib']:6.1f}  {ident}")
+              f"{t['tau']:5.2f} {acc:>15s} {t['ms_per_cycle']:9.2f} {t['draft_ms']:7.2f} {t['verify_ms']:7.2f} "
+              f"{t['other_ms']:7.2f} {t['target_gb_per_s']:6.1f} {t['memory_mib']:6.1f}  {ident}")
+    for t in table:
+        tie = t.get("near_tie")
+        if tie:
+            gap = f"the target's logit gap between the two is {tie['logit_gap']:.2e}" if "logit_gap" in tie else \
+                "one output stopped (EOS) where the other went on"
+            print(f"{t['label']} T={t['temperature']:g}: greedy output differs from plain decoding at prompt "
+                  f"{tie['prompt']}, token {tie['position']} ({tie['plain_token']} vs {tie['other_token']}); {gap}"
+                  " (a gap near 1e-6 is a float near-tie between a batched and a one-token forward)")
     if standin:
         print("* stand-in rows: the target is the zoo target widened with zero weights (edgespec zoo standin); tau is "
               "the zoo's, tok/s is a wider model's")
+    print(f"GB/s: target weight bytes read per second (its layers and LM head per forward, prefills included); this "
+          f"machine's streaming bound measured in this run: {table[0]['bandwidth_bound_gb_per_s']:.1f} GB/s (numpy copy)")
     print(f"'{CONTROL}' is plain decoding measured again like a drafter: its spread is this run's noise")
     peers = [t for t in table if t.get("peer")]
     if peers:

@@ -8,10 +8,11 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import replace
+from typing import List
 
 from runtime.bundle import MANIFEST
 from runtime.config import RuntimeConfig, load_config, override
-from runtime.errors import BundleError
+from runtime.errors import BundleError, ConfigError
 from runtime.session import GenerationParams
 
 DEFAULT_BUNDLE = RuntimeConfig().bundle  # relative: resolved by `resolve_bundle_dir`
@@ -93,3 +94,12 @@ def generation_params(cfg: RuntimeConfig) -> GenerationParams:
     g = cfg.generation
     return GenerationParams(max_tokens=g.max_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                             min_p=g.min_p, repetition_penalty=g.repetition_penalty, seed=g.seed, stop=g.stop)
+
+
+def split_list(flag: str, text: str, known) -> List[str]:
+    """The names of a comma-separated flag, each one of `known`, or a ConfigError naming the flag."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if not names or unknown:
+        raise ConfigError(f"{flag}: got {text!r}, expected a comma-separated list of {sorted(known)}")
+    return names
