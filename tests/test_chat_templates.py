@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 
 import pytest
@@ -22,6 +24,7 @@ from runtime.bundle import MANIFEST
 from runtime.errors import BundleError
 from runtime.prompts import CHAT_PLANNER, ZOO_PROMPTS, planner_prompt
 from runtime.session import GenerationParams, Session
+from runtime.templates import PromptFormat, task_template
 from tests.tiny_bundle import TEXT
 
 QWEN3_TEMPLATE = """{%- if messages[0].role == 'system' %}
@@ -342,3 +345,29 @@ def test_a_chat_template_cannot_reach_python_internals(checkpoints, tmp_path):
         "chat_template": "{{ messages.__class__.__mro__[1].__subclasses__() }}"}})
     with pytest.raises(BundleError, match=r"cannot be rendered.*(unsafe|access)"):
         build_bundle(checkpoints["qwen3"], str(tmp_path / "b"), prompts={"prompts_file": evil})
+
+
+# ---------------------------------------------------------------------------------------------- README
+
+def test_every_command_of_the_readme_own_model_section_parses_and_its_files_are_valid():
+    from runtime.cli import build_parser
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = open(os.path.join(root, "README.md")).read()
+    section = readme.split("## Your own model", 1)[1].split("\n## ", 1)[0]
+    commands = [line.strip() for line in section.replace("\\\n", " ").splitlines() if line.startswith("edgespec ")]
+    assert {c.split()[1] for c in commands} >= {"bundle", "export", "memory", "generate", "certify"}
+    parser = build_parser()
+    for cmd in commands:
+        try:
+            parser.parse_args(shlex.split(cmd)[1:])
+        except SystemExit:
+            pytest.fail(f"README: `{cmd}` does not parse as an edgespec command")
+    for rel in set(re.findall(r"configs/prompts/[\w.-]+\.yaml", section)):
+        d = yaml.safe_load(open(os.path.join(root, rel)))
+        if "prompts" in d:
+            PromptFormat.from_dict(d["prompts"], rel, partial=True)
+        else:
+            task_template(d, "planner", rel)
+    node = next(line for line in section.replace("\\\n", " ").splitlines() if "edgespec_ros.node" in line)
+    assert os.path.isfile(os.path.join(root, node.split("--params-file ")[1].split()[0]))
