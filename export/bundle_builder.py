@@ -1,5 +1,6 @@
 """Write a runtime bundle from HF checkpoints: the target (+ its MTP module if it has one), an optional
-separate draft model, the n-gram drafter (no files), the tokenizer and the generation defaults.
+separate draft model, the n-gram drafter (no files), the tokenizer, the prompt format (export/prompts.py)
+and the generation defaults.
 
 Nothing we did not write is ever deleted. The output directory must be new, empty, or an edgespec
 bundle holding only the files its manifest lists (replaced only with force=True); it may not be, hold
@@ -18,9 +19,11 @@ import numpy as np
 import yaml
 
 from export.hf_reader import read_hf_checkpoint
+from export.prompts import bundle_prompts
 from runtime.bundle import MANIFEST, BundleWriter
 from runtime.errors import BundleError
 from runtime.tensors import safetensors_dtypes, write_safetensors
+from runtime.tokenizer import Tokenizer
 
 MTP_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -98,16 +101,21 @@ def _publish(staged: str, out: str) -> None:
 
 def build_bundle(target_dir: str, out: str, draft_dir: Optional[str] = None, name: Optional[str] = None,
                  default_drafter: Optional[str] = None, force: bool = False,
-                 extend: Optional[Callable[[str], None]] = None) -> str:
+                 extend: Optional[Callable[[str], None]] = None, prompts: Optional[Dict[str, str]] = None,
+                 report: Callable[[str], None] = lambda note: None) -> str:
     """Write `out` as a numpy_ref bundle; `extend(staged_dir)` may add other backends' files before the
-    bundle is renamed into place. Returns `out`. Refuses outputs per `check_output`."""
-    check_output(out, [d for d in (target_dir, draft_dir) if d], force)
+    bundle is renamed into place. `prompts`: the user's prompt files (keyword arguments of
+    export.prompts.bundle_prompts: prompts_file, chat_template_file, planner_file, action_file); `report`
+    receives a line saying where the prompt format came from. Returns `out`. Refuses outputs per
+    `check_output`."""
+    inputs = [d for d in (target_dir, draft_dir) if d] + [f for f in (prompts or {}).values() if f]
+    check_output(out, inputs, force)
     name = name or os.path.basename(os.path.normpath(os.path.abspath(out)))
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     staged = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.partial-", dir=parent)
     try:
-        _write_bundle(target_dir, staged, draft_dir, name, default_drafter)
+        _write_bundle(target_dir, staged, draft_dir, name, default_drafter, prompts or {}, report)
         if extend is not None:
             extend(staged)
         os.chmod(staged, 0o755)  # mkdtemp makes it private; a bundle is read by other users (the ROS node)
@@ -119,11 +127,15 @@ def build_bundle(target_dir: str, out: str, draft_dir: Optional[str] = None, nam
 
 
 def _write_bundle(target_dir: str, out: str, draft_dir: Optional[str], name: str,
-                  default_drafter: Optional[str]) -> None:
+                  default_drafter: Optional[str], prompts: Dict[str, str], report: Callable[[str], None]) -> None:
     target = read_hf_checkpoint(target_dir)
     if target.tokenizer_file is None:
         raise BundleError(f"{target_dir}: no tokenizer.json; the bundle needs the tokenizer the model was trained with")
+    fmt, notes = bundle_prompts(target_dir, Tokenizer(target.tokenizer_file), **prompts)  # before the big writes
+    for note in notes:
+        report(f"prompts: {note}")
     w = BundleWriter(out, name)
+    w.set_prompts(fmt)
     spec = target.spec
     body, mtp = split_mtp(target.weights, spec.num_layers)
     w.set_target(spec)

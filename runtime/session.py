@@ -28,8 +28,10 @@ from runtime.drafters.ngram import NgramDrafter
 from runtime.engine import DecodeStats, Engine, StopCheck
 from runtime.errors import BudgetExceeded, BundleError, RequestError
 from runtime.kv import KVArena
-from runtime.prompts import ACTION_CHUNK, EOS, action_prompt, parse_plan, plan_objects, planner_prompt
+from runtime.prompts import (ACTION_CHUNK, ZOO_PROMPTS, action_prompt, parse_plan, plan_objects, planner_prompt,
+                             zoo_tokens_in)
 from runtime.sampling import SamplingParams
+from runtime.templates import PromptFormat
 from runtime.tokenizer import StreamDecoder, Tokenizer
 
 DRAFTER_CHOICES = ("none", "ngram", "draft_model")
@@ -150,6 +152,29 @@ def return_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
+def prompt_format(bundle, tokenizer: Tokenizer) -> PromptFormat:
+    """The bundle's prompt format; a bundle from before it was recorded gets the zoo's when its tokenizer has
+    the zoo's task tokens, else none (a planner request then says what to add)."""
+    if bundle.prompts is not None:
+        return bundle.prompts
+    if zoo_tokens_in(tokenizer):
+        return ZOO_PROMPTS
+    return PromptFormat(source=f"{bundle.path('bundle.yaml')}: prompts")
+
+
+def eos_ids(bundle, prompts: PromptFormat, tokenizer: Tokenizer) -> List[int]:
+    """Every token id that ends an answer: the config's eos_token_id(s) and the prompt format's eos_tokens."""
+    eos = set(bundle.target.spec.eos_token_ids)
+    for token in prompts.eos_tokens:
+        tid = tokenizer.token_to_id(token)
+        if tid is None:
+            raise BundleError(f"{prompts.source}.eos_tokens: {token!r} is not a token of {bundle.tokenizer}; "
+                              "rebuild the bundle (`edgespec bundle --target DIR --out DIR --prompts FILE`) "
+                              "naming a token the tokenizer has")
+        eos.add(int(tid))
+    return sorted(eos)
+
+
 class Session:
     """One model, one drafter, one KV arena. Requests run one at a time (batch 1)."""
 
@@ -191,11 +216,8 @@ class Session:
                                      config.drafter.branching, getattr(self.target, "w", None))
         self.drafter_kind = name
         self.backend_name = backend.kind
-        eos = set(spec.eos_token_ids)
-        eos_id = self.tokenizer.token_to_id(EOS)
-        if eos_id is not None:
-            eos.add(eos_id)
-        self.engine = Engine(self.target, self.drafter, sorted(eos))
+        self.prompts = prompt_format(b, self.tokenizer)
+        self.engine = Engine(self.target, self.drafter, eos_ids(b, self.prompts, self.tokenizer))
         self._actions: Optional[ActionTokenizer] = None
 
     @classmethod
@@ -291,7 +313,7 @@ class Session:
 
     def plan(self, instruction: str, context: str = "", params: GenerationParams = GenerationParams(),
              on_delta: Optional[Callable[[str, int], None]] = None) -> PlanResult:
-        ids = self.tokenizer.encode(planner_prompt(instruction, context))
+        ids = self.tokenizer.encode(planner_prompt(instruction, context, self.prompts))
         text, _, finish, stats = self.generate_ids(ids, params, on_delta=on_delta)
         try:
             steps = parse_plan(text)
@@ -307,7 +329,7 @@ class Session:
             raise RequestError("observation_text", "is set and so is observation: send only one of them "
                                                    "(observation: the numbers; observation_text: the same as text)")
         obs = observation_text if observation_text else list(observation)  # the numbers are checked by the prompt
-        ids = self.tokenizer.encode(action_prompt(instruction, obs))
+        ids = self.tokenizer.encode(action_prompt(instruction, obs, self.prompts))
         at = self.actions
         # Exactly num_actions * dims tokens, all restricted to action bins (the same mask on p and q).
         params = replace(params, max_tokens=num_actions * at.dims, stop=())

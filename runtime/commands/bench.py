@@ -32,8 +32,10 @@ from runtime.commands.bench_plot import write_plots
 from runtime.commands.bench_tally import Tally, paired_speedup  # noqa: F401 (paired_speedup: part of this command's API)
 from runtime.commands.common import add_model_args, runtime_config, split_list
 from runtime.errors import ConfigError
-from runtime.prompts import action_prompt, planner_prompt, text_prompt
-from runtime.session import DRAFTER_CHOICES, GenerationParams, Session
+from runtime.prompts import format_observation
+from runtime.session import DRAFTER_CHOICES, GenerationParams, Session, prompt_format
+from runtime.templates import PromptFormat
+from runtime.tokenizer import Tokenizer
 
 HELP = """Benchmark plain decoding against speculative drafters on the same backend, in one run.
 
@@ -42,20 +44,26 @@ examples:
   edgespec bench --bundle build/bundles/zoo-standin --drafters none,ngram,draft_model,mtp --temperatures 0,1 --rounds 5
 """
 
-# In the zoo's own vocabulary (rooms, objects, people its generators use), but not from its training set.
-BENCH_PROMPTS = {
-    "planner": [planner_prompt(s) for s in (
+# Requests in the zoo's own vocabulary (rooms, objects, people its generators use), but not from its training
+# set; each bundle renders them with its own prompt format (domain -> (task, request values) list).
+BENCH_REQUESTS = {
+    "planner": [("planner", {"instruction": s, "context": ""}) for s in (
         "take the white hammer from the bathroom to Eve in the kitchen",
         "store the screwdriver from the living room in the cabinet, then put the apple from the laundry room on the bed",
         "give the red box from the workshop to Carol in the bedroom",
         "take the plastic toy out of the fridge in the office and put it on the sink",
     )],
-    "action": [action_prompt(s, o) for s, o in (
+    "action": [("action", {"instruction": s, "observation": format_observation(o)}) for s, o in (
         ("put down the white charger on the tray", [0.24, 0.23, 0.27, 0.39, 0.0, 0.38, 0.28, 0.02]),
         ("lift the metal apple", [0.30, -0.26, 0.11, -0.03, 0.0, 0.30, -0.26, 0.05]),
     )],
-    "text": [text_prompt(s) for s in ("To be, or not to be", "Now is the winter of our discontent")],
+    "text": [("text", {"text": s}) for s in ("To be, or not to be", "Now is the winter of our discontent")],
 }
+
+
+def bench_prompts(fmt: PromptFormat, domains=tuple(BENCH_REQUESTS)) -> Dict[str, List[str]]:
+    """The prompts of `domains` in the prompt format `fmt` (a bundle's `session.prompts`)."""
+    return {d: [fmt.render(task, **values) for task, values in BENCH_REQUESTS[d]] for d in domains}
 
 
 CONTROL = "none (control)"  # plain decoding measured a second time, as if it were a drafter
@@ -69,9 +77,9 @@ def register(sub) -> None:
                    help="comma-separated drafters to compare (default none,ngram,draft_model); 'none' (plain "
                         "decoding) is always run as the baseline, and again as the control row")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt, >= 1 (default 64)")
-    p.add_argument("--domains",
-                   help=f"comma-separated prompt sets to run, of {', '.join(BENCH_PROMPTS)}, and 'file' for --prompts "
-                        "(default: all built-in sets, or only 'file' when --prompts is given)")
+    p.add_argument("--domains", help=f"comma-separated prompt sets to run, of {', '.join(BENCH_REQUESTS)} in the "
+                                     "bundle's prompt format, and 'file' for --prompts (default: all those the bundle "
+                                     "has templates for, or only 'file' when --prompts is given)")
     p.add_argument("--prompts", metavar="FILE",
                    help="your own prompts, one per line, used verbatim (already in the model's prompt format; a "
                         "literal \\n in a line is a newline): the prompt set 'file'")
@@ -172,15 +180,21 @@ def run(args) -> int:
     if args.rounds < 1:
         raise ConfigError(f"--rounds: got {args.rounds}, expected >= 1")
     temps = parse_temperatures(args.temperatures)
-    sets = dict(BENCH_PROMPTS)
-    if args.prompts:
-        sets["file"] = read_prompts(args.prompts)
-    domains = split_list("--domains", args.domains or ("file" if args.prompts else ",".join(BENCH_PROMPTS)), sets)
     bundle = bundle_io.load(cfg.bundle, verify_checksums=False)  # the names are checked before anything runs
+    fmt = prompt_format(bundle, Tokenizer(bundle.path(bundle.tokenizer)))
+    own = {"file": read_prompts(args.prompts)} if args.prompts else {}
+    if args.domains is None:
+        domains = list(own) or [d for d in BENCH_REQUESTS if fmt.has(d)]
+    else:
+        domains = split_list("--domains", args.domains, [*BENCH_REQUESTS, *own])
+        for d in domains:
+            if d not in own:
+                fmt.template(d)  # a BundleError saying what to add when the bundle has no template for it
     names = split_list("--drafters", args.drafters, set(DRAFTER_CHOICES) | set(bundle.drafters))
     names = ["none"] + [n for n in dict.fromkeys(names) if n != "none"]
     configs = {n: n for n in names}
     configs[CONTROL] = "none"
+    sets = {**bench_prompts(fmt, [d for d in domains if d not in own]), **own}
     prompts = [(d, p) for d in domains for p in sets[d]]  # (domain, text)
     wanted_peers = peer_request(args, bundle.name)
     bandwidth = measure_bandwidth(128 << 20, 3)  # the bound this run's tok/s is read against, measured in the run
