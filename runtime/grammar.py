@@ -61,6 +61,9 @@ class GrammarTokenizer:
 class Grammar:
     """A compiled constraint; immutable and shared by requests (each request takes its own `start()`)."""
 
+    # Replaceable on a copy only so that tests can show a wrong masking rule is caught (power controls).
+    state_type: type = None  # set to GrammarState below
+
     def __init__(self, grammar: str, tokenizer: GrammarTokenizer, field: str, source: str):
         llg = _llguidance()
         bad, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer.ll)
@@ -110,7 +113,7 @@ class Grammar:
         return cls.from_lark(f"start: t{{{int(count)}}}\nt: <[{_ranges(ids)}]>\n", tokenizer, field)
 
     def start(self) -> "GrammarState":
-        return GrammarState(self._template.deep_copy(), self.tokenizer)
+        return self.state_type(self._template.deep_copy(), self.tokenizer)
 
 
 class GrammarState:
@@ -191,6 +194,9 @@ class GrammarState:
         n = self.m.try_consume_tokens(rest)
         probe.extend(rest[:n])
         return n == len(rest)
+
+
+Grammar.state_type = GrammarState
 
 
 def _ranges(ids: Sequence[int]) -> str:
