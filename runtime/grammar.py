@@ -227,3 +227,12 @@ def load_schema_file(path: str, field: str = "schema") -> dict:
         raise RequestError(field, f"{path}: cannot read ({exc.strerror})") from None
     except json.JSONDecodeError as exc:
         raise RequestError(field, f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+
+
+def read_text_file(path: str, field: str) -> str:
+    """A grammar file's text, with errors that name the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RequestError(field, f"{path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
