@@ -17,6 +17,7 @@ import numpy as np
 from runtime.backends.base import TargetBackend
 from runtime.drafters.base import DraftContext, Drafter
 from runtime.errors import RequestError
+from runtime.grammar import Grammar, GrammarState
 from runtime.sampling import SamplingParams, process_logits, process_logits_batch, sample
 from runtime.tree import DraftTree, flatten
 from runtime.verify import verify_greedy, verify_sampled
@@ -41,6 +42,9 @@ class DecodeStats:
     draft_s: float = 0.0  # drafter: begin, propose, accept
     verify_s: float = 0.0  # target forwards of the cycles
     other_s: float = 0.0  # the rest of wall_s: verification maths, sampling, callbacks, stop checks
+    # Computing grammar masks (and advancing the matcher); NOT a slice of its own: it lies inside
+    # prefill_s, draft_s (a drafter masking q) and other_s (the verify rows' masks). 0 without a grammar.
+    grammar_s: float = 0.0
     wall_s: float = 0.0  # engine.generate, end to end
     memory_bytes: int = 0
     drafter: str = "none"
@@ -100,9 +104,12 @@ class Engine:
 
     def generate(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, seed: int = 0,
                  on_tokens: Optional[Callable[[List[int]], None]] = None,
-                 stop: Optional[StopCheck] = None, first_token: Optional[int] = None) -> DecodeOutput:
+                 stop: Optional[StopCheck] = None, first_token: Optional[int] = None,
+                 grammar: Optional[Grammar] = None) -> DecodeOutput:
         """Decode up to `max_tokens` after `prompt`. `on_tokens` receives each batch of accepted tokens.
-        `first_token`, if given, is emitted instead of sampling the first token (certify fixes the root)."""
+        `first_token`, if given, is emitted instead of sampling the first token (certify fixes the root).
+        `grammar`, if given, constrains the answer: every token is drawn from the target masked by the
+        grammar state its path reaches, also inside speculation (see `_cycle`)."""
         prompt = [int(t) for t in prompt]
         self.check_request(prompt, max_tokens, params)
         stop = stop or StopCheck()
@@ -113,10 +120,13 @@ class Engine:
         depth_tried: List[int] = []
         depth_hit: List[int] = []
         t0 = time.perf_counter()
+        state = grammar.start() if grammar is not None else None
 
-        first, taps = self._prefill(prompt, params, rng)
+        first, taps = self._prefill(prompt, params, rng, state.allowed(()) if state else None)
         if first_token is not None:
             first = int(first_token)
+        if state is not None:
+            state.commit([first])
         stats.prefill_s = stats.ttft_s = time.perf_counter() - t0
         stats.target_forwards = 1
         context = prompt + [first]
@@ -131,7 +141,7 @@ class Engine:
             finish = stop.reason()
             if finish:
                 break
-            cycle = self._cycle(context, params, rng, draft_rng, max_tokens - len(out), stats)
+            cycle = self._cycle(context, params, rng, draft_rng, max_tokens - len(out), stats, state)
             stats.cycles += 1
             stats.target_forwards += 1
             emitted_by_cycles += len(cycle["emitted"])
@@ -144,6 +154,8 @@ class Engine:
                 depth_hit[d - 1] += int(accepted >= d)
             context.extend(cycle["emitted"])
             finish = self._emit(cycle["emitted"], out, max_tokens, on_tokens)
+            if state is not None and finish is None:
+                state.commit(cycle["emitted"])
             if finish is None:
                 finish = stop.reason()
 
@@ -153,25 +165,33 @@ class Engine:
         stats.acceptance_by_depth = [h / n for h, n in zip(depth_hit, depth_tried)]
         stats.tokens_per_s = len(out) / stats.wall_s if stats.wall_s > 0 else 0.0
         stats.other_s = stats.wall_s - stats.prefill_s - stats.draft_s - stats.verify_s  # spans never overlap
+        stats.grammar_s = state.seconds if state is not None else 0.0
         return DecodeOutput(tokens=out, finish_reason=finish, stats=stats)
 
-    def _prefill(self, prompt: List[int], params: SamplingParams, rng: np.random.Generator):
+    def _prefill(self, prompt: List[int], params: SamplingParams, rng: np.random.Generator,
+                 mask: Optional[np.ndarray] = None):
         self.target.reset()
         taps = self.drafter.target_taps if self.drafter else ()
         res = self.target.forward(np.asarray(prompt, np.int64), np.arange(len(prompt)), None, taps)
-        p = process_logits(res.logits[-1], params, prompt)
+        p = process_logits(res.logits[-1], params, prompt, mask)
         first = int(np.argmax(p)) if params.greedy else sample(p, rng)
         return first, res.taps
 
-    def _cycle(self, context: List[int], params: SamplingParams, rng, draft_rng, remaining: int, stats: DecodeStats):
-        """One draft -> verify -> accept cycle. Returns the emitted tokens and what was drafted/accepted."""
+    def _cycle(self, context: List[int], params: SamplingParams, rng, draft_rng, remaining: int, stats: DecodeStats,
+               grammar: Optional[GrammarState] = None):
+        """One draft -> verify -> accept cycle. Returns the emitted tokens and what was drafted/accepted.
+
+        Under a grammar, verify row r (root, then node i) is masked by the grammar state after the root +
+        node i's path, so the verifier compares against exactly the distribution plain constrained decoding
+        would sample at that point; the drafter gets the same masks through DraftContext.mask (cached)."""
         target = self.target
         base = target.cache_len  # rows before the root
         tree = DraftTree(tokens=np.zeros(0, np.int64), parents=np.zeros(0, np.int64))
         if self.drafter is not None and remaining > 1:
             td = time.perf_counter()
             max_nodes = min(target.max_cache_len - base - 1, remaining - 1)
-            tree = self.drafter.propose(DraftContext(context, params, draft_rng, max_nodes))
+            allowed = grammar.allowed if grammar is not None else None
+            tree = self.drafter.propose(DraftContext(context, params, draft_rng, max_nodes, allowed))
             stats.draft_s += time.perf_counter() - td
         tokens, positions, mask = flatten(tree, context[-1], base, base)
         tv = time.perf_counter()
@@ -179,7 +199,8 @@ class Engine:
         res = target.forward(tokens, positions, mask, taps_wanted)
         stats.verify_s += time.perf_counter() - tv
         histories = self._histories(context, tree) if params.repetition_penalty != 1.0 else ()
-        p = process_logits_batch(res.logits, params, histories)
+        masks = grammar.row_masks(tree) if grammar is not None else None
+        p = process_logits_batch(res.logits, params, histories, masks)
         result = verify_greedy(tree, p) if params.greedy else self.sampled_verifier(tree, p, rng)
         rows = [base] + [base + 1 + i for i in result.accepted]
         target.keep(base, rows)

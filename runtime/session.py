@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import json
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -27,6 +28,7 @@ from runtime.drafters.mtp import MTPDrafter, mtp_cache_shape
 from runtime.drafters.ngram import NgramDrafter
 from runtime.engine import DecodeStats, Engine, StopCheck
 from runtime.errors import BudgetExceeded, BundleError, RequestError
+from runtime.grammar import Grammar, GrammarTokenizer
 from runtime.kv import KVArena
 from runtime.prompts import (ACTION_CHUNK, ZOO_PROMPTS, action_prompt, parse_plan, plan_objects, planner_prompt,
                              zoo_tokens_in)
@@ -219,6 +221,8 @@ class Session:
         self.prompts = prompt_format(b, self.tokenizer)
         self.engine = Engine(self.target, self.drafter, eos_ids(b, self.prompts, self.tokenizer))
         self._actions: Optional[ActionTokenizer] = None
+        self._grammar_tokenizer: Optional[GrammarTokenizer] = None
+        self._grammars: Dict[tuple, Grammar] = {}  # compiled grammars by (kind, text), the most recent few
 
     @classmethod
     def open(cls, bundle_dir: str, drafter: Optional[str] = None, backend: Optional[str] = None,
@@ -245,6 +249,27 @@ class Session:
             self._actions = ActionTokenizer.from_tokenizer(self.tokenizer)
         return self._actions
 
+    def grammar(self, json_schema=None, grammar: Optional[str] = None, field: Optional[str] = None) -> Optional[Grammar]:
+        """Compile a request's constraint (JSON Schema as dict or text, or a Lark grammar); None if neither.
+        Compiled grammars are kept for the next requests (a robot sends the same schema again and again)."""
+        if json_schema is not None and grammar is not None:
+            raise RequestError(field or "grammar", "send either a JSON Schema or a Lark grammar, not both")
+        if json_schema is None and grammar is None:
+            return None
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = GrammarTokenizer(self.bundle.path(self.bundle.tokenizer),
+                                                       self.target.spec.vocab_size, self.engine.eos)
+        key = ("lark", grammar) if grammar is not None else ("json", json_schema if isinstance(json_schema, str)
+                                                             else json.dumps(json_schema, sort_keys=True))
+        hit = self._grammars.pop(key, None)
+        if hit is None:
+            hit = (Grammar.from_lark(grammar, self._grammar_tokenizer, field or "grammar") if grammar is not None
+                   else Grammar.from_json_schema(json_schema, self._grammar_tokenizer, field or "json_schema"))
+        self._grammars[key] = hit  # most recent last
+        while len(self._grammars) > 8:
+            self._grammars.pop(next(iter(self._grammars)))
+        return hit
+
     def close(self) -> None:
         """Release the model (weights, KV arena, backend sessions), also while the caller still holds this
         object, and hand the freed pages back to the OS."""
@@ -259,8 +284,8 @@ class Session:
 
     def generate_ids(self, prompt_ids: Sequence[int], params: GenerationParams, allowed_tokens=None,
                      on_delta: Optional[Callable[[str, int], None]] = None,
-                     should_stop: Optional[Callable[[], bool]] = None):
-        """Decode after token ids; returns (text, ids, finish_reason, stats)."""
+                     should_stop: Optional[Callable[[], bool]] = None, grammar: Optional[Grammar] = None):
+        """Decode after token ids (constrained by `grammar` if given); returns (text, ids, finish_reason, stats)."""
         params.check()
         need = len(prompt_ids) + params.max_tokens
         if self.budget_positions is not None and need > self.budget_positions and isinstance(params.max_tokens, int):
@@ -288,7 +313,7 @@ class Session:
         deadline = start + params.deadline_s if params.deadline_s else None
         try:
             out = self.engine.generate(prompt_ids, params.sampling(allowed_tokens), params.max_tokens, params.seed,
-                                       on_tokens, StopCheck(deadline, why_stop))
+                                       on_tokens, StopCheck(deadline, why_stop), grammar=grammar)
         except Exception as exc:  # a backend failure mid-stream: the caller may have streamed text already
             exc.partial = Partial(decoder.text, list(emitted))
             raise
@@ -304,17 +329,23 @@ class Session:
 
     def generate(self, prompt: str, params: GenerationParams = GenerationParams(),
                  on_delta: Optional[Callable[[str, int], None]] = None,
-                 should_stop: Optional[Callable[[], bool]] = None) -> GenerationResult:
+                 should_stop: Optional[Callable[[], bool]] = None,
+                 json_schema=None, grammar: Optional[str] = None) -> GenerationResult:
+        """`json_schema` (dict or JSON text) or `grammar` (Lark text) constrain the answer (runtime/grammar.py)."""
         if not isinstance(prompt, str) or not prompt.strip():
             raise RequestError("prompt", "is empty; give the text to continue")
+        constraint = self.grammar(json_schema, grammar)
         ids = self.tokenizer.encode(prompt)
-        text, tokens, finish, stats = self.generate_ids(ids, params, None, on_delta, should_stop)
+        text, tokens, finish, stats = self.generate_ids(ids, params, None, on_delta, should_stop, constraint)
         return GenerationResult(text, tokens, finish, stats)
 
     def plan(self, instruction: str, context: str = "", params: GenerationParams = GenerationParams(),
-             on_delta: Optional[Callable[[str, int], None]] = None) -> PlanResult:
+             on_delta: Optional[Callable[[str, int], None]] = None, schema=None) -> PlanResult:
+        """`schema` (a JSON Schema, dict or text; configs/plan_schema.json is the zoo's) makes every plan valid
+        by construction, unless max_tokens cuts it short (finish_reason "max_tokens")."""
+        constraint = self.grammar(schema, None, "schema")
         ids = self.tokenizer.encode(planner_prompt(instruction, context, self.prompts))
-        text, _, finish, stats = self.generate_ids(ids, params, on_delta=on_delta)
+        text, _, finish, stats = self.generate_ids(ids, params, on_delta=on_delta, grammar=constraint)
         try:
             steps = parse_plan(text)
             return PlanResult(text, steps, True, "", sorted(plan_objects(steps)), finish, stats)

@@ -4,6 +4,10 @@ implements it, so the engine never branches on the drafter's kind.
 A cycle, seen from the drafter:
   1. `propose(ctx)` -> a DraftTree continuing after ctx.tokens[-1] (the root: the last emitted token,
      which the target has not run yet).
+     Under a grammar, `ctx.mask(path)` gives the tokens allowed after the root + `path` (the drafted
+     tokens above a node); pass it to `process_logits` so that q never proposes an impossible token.
+     Exactness does not depend on it (the verifier masks p by each node's path, and any q the drafter
+     truly drew from is verified exactly); it only keeps verify rows from being wasted.
   2. The target verifies the tree; `accept(accepted_nodes, committed, taps)` tells the drafter which
      tree nodes were accepted, the tokens now committed to the target's KV cache (root + accepted
      tokens) and the target's hidden taps at those positions (rows aligned with `committed`).
@@ -11,7 +15,7 @@ A cycle, seen from the drafter:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -26,6 +30,14 @@ class DraftContext:
     params: SamplingParams  # the request's sampling: drafters apply the SAME processing to q
     rng: np.random.Generator  # the drafter's own stream (sampled drafts)
     max_nodes: int  # at most this many nodes (what is left of the context budget)
+    # The request's grammar (runtime/grammar.py): path after the root -> (V,) bool allowed mask; None = none.
+    allowed: Optional[Callable[[Sequence[int]], np.ndarray]] = None
+
+    def mask(self, path: Sequence[int] = ()) -> Optional[np.ndarray]:
+        """(V,) bool: the tokens the grammar allows after root + `path`; None when the request has no grammar.
+
+        Example: a JSON-list grammar, nothing emitted yet: mask(()) allows only tokens starting with '['."""
+        return None if self.allowed is None else self.allowed(path)
 
 
 class Drafter:

@@ -8,7 +8,7 @@ cache holds and the context is kept and only the rest (usually the root plus a t
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -28,14 +28,16 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def pick_children(logits: np.ndarray, q: np.ndarray, params: SamplingParams, history: Sequence[int],
-                  width: int, rng: np.random.Generator, rule: Callable = draw_siblings) -> Siblings:
+                  width: int, rng: np.random.Generator, rule: Callable = draw_siblings,
+                  mask: Optional[np.ndarray] = None) -> Siblings:
     """Children of one node. Greedy -> the top-`width` tokens as point masses; sampled -> `rule` (the one
-    sibling rule of `runtime.siblings`: distinct draws, each with the proposal it was drawn from)."""
+    sibling rule of `runtime.siblings`: distinct draws, each with the proposal it was drawn from).
+    `mask`: the grammar's allowed tokens at this node (q is already masked by it)."""
     if params.greedy:
         if width == 1:
             return Siblings(np.asarray([int(np.argmax(q))], np.int64), None)
         # q is one-hot under greedy; rank by the masked, penalised distribution at temperature 1.
-        soft = process_logits(logits, replace(params, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0), history)
+        soft = process_logits(logits, replace(params, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0), history, mask)
         return top_k(soft, width)
     return rule(q, width, rng)
 
@@ -81,8 +83,9 @@ class DraftModelDrafter(Drafter):
         if depth <= 0:
             return empty_tree()
         params = ctx.params
-        q0 = process_logits(logits, params, context)
-        firsts = pick_children(logits, q0, params, context, self.branching, ctx.rng, self.sibling_rule)
+        mask0 = ctx.mask(())
+        q0 = process_logits(logits, params, context, mask0)
+        firsts = pick_children(logits, q0, params, context, self.branching, ctx.rng, self.sibling_rule, mask0)
         deterministic = firsts.deterministic
         tokens: List[int] = firsts.tokens.tolist()
         parents: List[int] = [-1] * len(tokens)
@@ -102,8 +105,8 @@ class DraftModelDrafter(Drafter):
                 self._node_rows[node] = start + j
             new_frontier = []
             for j, node in enumerate(frontier):
-                history = context + [tokens[a] for a in self._path(parents, node)]
-                q = process_logits(out[j], params, history)
+                path = [tokens[a] for a in self._path(parents, node)]
+                q = process_logits(out[j], params, context + path, ctx.mask(path))
                 t = int(np.argmax(q)) if params.greedy else sample(q, ctx.rng)
                 new_frontier.append(len(tokens))
                 tokens.append(t)

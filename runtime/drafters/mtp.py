@@ -94,7 +94,7 @@ class MTPDrafter(Drafter):
         qs = []
         h_last = out[-1:]
         for d in range(depth):
-            q = process_logits(logits, ctx.params, list(tokens) + drafted)
+            q = process_logits(logits, ctx.params, list(tokens) + drafted, ctx.mask(drafted))
             x = int(np.argmax(q)) if ctx.params.greedy else sample(q, ctx.rng)
             drafted.append(x)
             qs.append(q)

@@ -145,7 +145,7 @@ class EdgespecNode(LifecycleNode):
         context = "\n".join(s for s in (req.context, req.observation and f"Observation: {req.observation}") if s)
 
         def run(session: Session, params: GenerationParams, _stop):
-            return session.plan(req.instruction, context=context, params=params)
+            return session.plan(req.instruction, context=context, params=params, schema=req.schema or None)
 
         return self._serve("plan", req, resp, PRIORITY_NORMAL, run, messages.fill_plan)
 
