@@ -29,7 +29,8 @@ def register(sub) -> None:
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="raw prompt text (special tokens such as <|bos|> are recognised)")
-    src.add_argument("--plan", metavar="INSTRUCTION", help="a planner instruction (uses the planner prompt template)")
+    src.add_argument("--plan", metavar="INSTRUCTION",
+                     help="a planner instruction, put in the bundle's planner template (bundle.yaml prompts.planner)")
     add_model_args(p)
     add_sampling_args(p)
     g = p.add_mutually_exclusive_group()
