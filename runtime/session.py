@@ -256,16 +256,25 @@ class Session:
             raise RequestError(field or "grammar", "send either a JSON Schema or a Lark grammar, not both")
         if json_schema is None and grammar is None:
             return None
+        if grammar is not None:
+            return self._compiled(("lark", grammar),
+                                  lambda: Grammar.from_lark(grammar, self._grammar_tok(), field or "grammar"))
+        key = ("json", json_schema if isinstance(json_schema, str) else json.dumps(json_schema, sort_keys=True))
+        return self._compiled(key, lambda: Grammar.from_json_schema(json_schema, self._grammar_tok(),
+                                                                     field or "json_schema"))
+
+    def _grammar_tok(self) -> GrammarTokenizer:
         if self._grammar_tokenizer is None:
             self._grammar_tokenizer = GrammarTokenizer(self.bundle.path(self.bundle.tokenizer),
                                                        self.target.spec.vocab_size, self.engine.eos)
-        key = ("lark", grammar) if grammar is not None else ("json", json_schema if isinstance(json_schema, str)
-                                                             else json.dumps(json_schema, sort_keys=True))
+        return self._grammar_tokenizer
+
+    def _compiled(self, key: tuple, compile_: Callable[[], Grammar]) -> Grammar:
+        """The grammar compiled for `key`, from the last few requests' if there (most recent last)."""
         hit = self._grammars.pop(key, None)
         if hit is None:
-            hit = (Grammar.from_lark(grammar, self._grammar_tokenizer, field or "grammar") if grammar is not None
-                   else Grammar.from_json_schema(json_schema, self._grammar_tokenizer, field or "json_schema"))
-        self._grammars[key] = hit  # most recent last
+            hit = compile_()
+        self._grammars[key] = hit
         while len(self._grammars) > 8:
             self._grammars.pop(next(iter(self._grammars)))
         return hit
@@ -362,9 +371,13 @@ class Session:
         obs = observation_text if observation_text else list(observation)  # the numbers are checked by the prompt
         ids = self.tokenizer.encode(action_prompt(instruction, obs, self.prompts))
         at = self.actions
-        # Exactly num_actions * dims tokens, all restricted to action bins (the same mask on p and q).
-        params = replace(params, max_tokens=num_actions * at.dims, stop=())
-        _, tokens, finish, stats = self.generate_ids(ids, params, tuple(int(t) for t in at.allowed_token_ids()))
+        # Exactly num_actions * dims action-bin tokens then EOS: the trivial grammar, masked like any other
+        # (on every verify row and on the drafter's q). max_tokens ends the answer before its EOS.
+        n = num_actions * at.dims
+        params = replace(params, max_tokens=n, stop=())
+        grammar = self._compiled(("actions", n), lambda: Grammar.token_run(at.allowed_token_ids(), n,
+                                                                           self._grammar_tok(), "num_actions"))
+        _, tokens, finish, stats = self.generate_ids(ids, params, grammar=grammar)
         usable = len(tokens) - len(tokens) % at.dims
         actions = at.decode(tokens[:usable]) if usable else np.zeros((0, at.dims), np.float32)
         return ActionResult(list(tokens), actions, at.dims, finish, stats)

@@ -4,6 +4,7 @@ The zoo target and draft model (the built zoo bundle) decode greedily with specu
 Fast subset here: HELD_OUT prompts from the zoo's held-out planner stream and OOD of the 20 hand-written
 out-of-distribution instructions of export/zoo/plans.py; `edgespec zoo plans --n 200` runs the full set
 with and without the schema (numbers in BENCHMARKS.md)."""
+import copy
 import os
 
 import jsonschema
@@ -72,3 +73,14 @@ def test_the_duplicated_key_failure_cannot_be_decoded_under_the_schema(planner):
     good = tok.encode('[{"skill":"pick","object":"cup"}]')
     assert all(state.allowed(good[:i])[good[i]] for i in range(len(good)))
     assert np.flatnonzero(state.allowed(good)).tolist() == [tok.token_to_id(EOS)]
+
+
+def test_a_robot_restricts_plans_to_its_world_by_replacing_a_def_with_an_enum(planner):
+    """The instruction names a garage; this robot's world model knows only a kitchen and an office."""
+    sessions, schema = planner
+    world = copy.deepcopy(schema)
+    world["$defs"]["room"] = {"enum": ["kitchen", "office", "start"]}
+    free = sessions["draft_model"].plan("bring me the red cup from the garage", params=PARAMS)
+    res = sessions["draft_model"].plan("bring me the red cup from the garage", params=PARAMS, schema=world)
+    assert "garage" in free.text  # what the model wants to write
+    assert res.plan_ok and {s["room"] for s in res.plan if "room" in s} <= {"kitchen", "office", "start"}, res.text

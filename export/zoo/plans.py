@@ -8,8 +8,10 @@ drafter, the same backend), each free and under the schema. Reported per configu
   valid   parse_plan accepts the text AND it validates against the schema (jsonschema, independent of the
           grammar engine);
   exact   the plan equals the held-out reference plan (held-out prompts only);
-  tau, tokens/s, and the speedup of speculative over plain decoding: the median of per-prompt ratios
-          (paired, as `edgespec bench` does) with its min-max;
+  tau, tokens/s, and the speedup over plain decoding with the same grammar setting: tok/s ratios over
+          blocks of BLOCK consecutive prompts (paired: both ran the same prompts back to back), median and min-max;
+          a second plain-decoding session (the control) is measured like a drafter, so its spread is the noise
+          floor of the run;
   grammar share: grammar_s / (wall_s - prefill_s), the time spent computing masks per decoded second.
 
     edgespec zoo plans --n 200 --drafter draft_model
@@ -48,6 +50,9 @@ OUT_OF_DISTRIBUTION = [
     "Inspect the printer in the office, it keeps jamming.",
     "Take the charger off the counter and put it next to the bed.",
 ]
+
+CONTROL = "none (control)"  # plain decoding measured again, like a drafter: the noise floor
+BLOCK = 10  # prompts per paired speedup ratio
 
 SCHEMA_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                            "configs", "plan_schema.json")
@@ -91,8 +96,8 @@ def measure(session_factory, prompts: List[tuple], schema: dict, drafter: str, p
     from runtime.prompts import parse_plan
     from runtime.session import GenerationParams
 
-    sessions = {"none": session_factory("none"), drafter: session_factory(drafter)}
-    configs = [(d, g) for d in ("none", drafter) for g in (False, True)]
+    sessions = {"none": session_factory("none"), CONTROL: session_factory("none"), drafter: session_factory(drafter)}
+    configs = [(d, g) for d in ("none", CONTROL, drafter) for g in (False, True)]
     params = GenerationParams(max_tokens=160)
     validator = schema_validator(schema)
     rows: Dict[tuple, List[dict]] = {c: [] for c in configs}
@@ -121,16 +126,25 @@ def measure(session_factory, prompts: List[tuple], schema: dict, drafter: str, p
     return rows, backend
 
 
+def block_ratios(rs: List[dict], base: List[dict], block: int) -> List[float]:
+    """tok/s of rs over tok/s of base on each block of `block` consecutive prompts (the last block may be short)."""
+    out = []
+    for i in range(0, len(rs), block):
+        a, b = rs[i:i + block], base[i:i + block]
+        out.append((sum(r["tokens"] for r in a) / sum(r["wall_s"] for r in a))
+                   / (sum(r["tokens"] for r in b) / sum(r["wall_s"] for r in b)))
+    return out
+
+
 def summarise(rows: Dict[tuple, List[dict]], drafter: str) -> List[dict]:
     table = []
     for (d, g), rs in rows.items():
-        base = rows["none", g]
-        ratios = [(r["tokens"] / r["wall_s"]) / (b["tokens"] / b["wall_s"]) for r, b in zip(rs, base)]
+        ratios = block_ratios(rs, rows["none", g], BLOCK)
         ex = [r["exact"] for r in rs if r["exact"] is not None]
         decode_s = sum(r["wall_s"] - r["prefill_s"] for r in rs)
         cycles = sum(r["cycles"] for r in rs)
         table.append({
-            "drafter": d, "grammar": g, "prompts": len(rs),
+            "drafter": d, "grammar": g, "control": d == CONTROL, "prompts": len(rs),
             "valid_rate": sum(r["valid"] for r in rs) / len(rs),
             "exact_rate": sum(ex) / len(ex) if ex else None,
             "tau": sum(r["tau"] * r["cycles"] for r in rs) / cycles if cycles else None,
@@ -170,13 +184,13 @@ def run(args) -> int:
         return 0
     for name, table in report.items():
         print(f"\n{name} ({table[0]['prompts']} prompts, greedy, backend {backend})")
-        print(f"{'drafter':<12} {'schema':<7} {'valid':>7} {'exact':>7} {'tau':>6} {'tok/s':>7} "
+        print(f"{'drafter':<15} {'schema':<7} {'valid':>7} {'exact':>7} {'tau':>6} {'tok/s':>7} "
               f"{'speedup [min-max]':>20} {'grammar ms/cycle':>17} {'grammar share':>14}")
         for r in table:
             exact = f"{100 * r['exact_rate']:.1f}%" if r["exact_rate"] is not None else "-"
             tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
             gms = f"{r['grammar_ms_per_cycle']:.2f}" if r["grammar_ms_per_cycle"] is not None else "-"
-            print(f"{r['drafter']:<12} {'yes' if r['grammar'] else 'no':<7} {100 * r['valid_rate']:>6.1f}% {exact:>7} "
+            print(f"{r['drafter']:<15} {'yes' if r['grammar'] else 'no':<7} {100 * r['valid_rate']:>6.1f}% {exact:>7} "
                   f"{tau:>6} {r['tokens_per_s']:>7.1f} {r['speedup']:>6.2f}x [{r['speedup_min']:.2f}-"
                   f"{r['speedup_max']:.2f}] {gms:>17} {100 * r['grammar_share']:>13.1f}%")
             for ex in r["invalid_examples"]:
