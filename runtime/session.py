@@ -195,12 +195,13 @@ class Session:
         eos_id = self.tokenizer.token_to_id(EOS)
         if eos_id is not None:
             eos.add(eos_id)
-        self.engine = Engine(self.target, self.drafter, sorted(eos))
+        self.engine = Engine(self.target, self.drafter, sorted(eos), prefix_cache=config.memory.prefix_cache)
         self._actions: Optional[ActionTokenizer] = None
 
     @classmethod
     def open(cls, bundle_dir: str, drafter: Optional[str] = None, backend: Optional[str] = None,
-             max_context: Optional[int] = None, num_tokens: Optional[int] = None) -> "Session":
+             max_context: Optional[int] = None, num_tokens: Optional[int] = None,
+             prefix_cache: Optional[bool] = None) -> "Session":
         cfg = RuntimeConfig(bundle=bundle_dir)
         if drafter is not None:
             cfg = replace(cfg, drafter=replace(cfg.drafter, kind=drafter))
@@ -210,6 +211,8 @@ class Session:
             cfg = replace(cfg, backend=replace(cfg.backend, kind=backend))
         if max_context is not None:
             cfg = replace(cfg, memory=replace(cfg.memory, max_context=max_context))
+        if prefix_cache is not None:
+            cfg = replace(cfg, memory=replace(cfg.memory, prefix_cache=prefix_cache))
         return cls(cfg)
 
     def memory_in_use(self) -> int:

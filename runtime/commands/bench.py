@@ -102,6 +102,9 @@ class Tally:
     round_wall: List[float] = field(default_factory=list)  # (rounds,) seconds
     cycles: int = 0
     tau_sum: float = 0.0
+    requests: int = 0
+    prefix_tokens: int = 0  # prompt tokens whose K/V the prefix cache kept
+    prompt_tokens: int = 0
     prefill: float = 0.0
     draft: float = 0.0
     verify: float = 0.0
@@ -117,6 +120,9 @@ class Tally:
         self.round_wall[r] += s.wall_s
         self.cycles += s.cycles
         self.tau_sum += s.tau * s.cycles
+        self.requests += 1
+        self.prefix_tokens += s.prefix_tokens
+        self.prompt_tokens += s.prefix_tokens + s.prefill_tokens
         self.prefill += s.prefill_s
         self.draft += s.draft_s
         self.verify += s.verify_s
@@ -149,6 +155,8 @@ def row(label: str, drafter: str, temp: float, t: Tally, base: Tally, session, b
         "tau": t.tau_sum / cyc if t.cycles else 1.0,
         "ms_per_cycle": 1e3 * decode_wall / cyc, "draft_ms": 1e3 * t.draft / cyc,
         "verify_ms": 1e3 * t.verify / cyc, "other_ms": 1e3 * t.other / cyc,
+        "ttft_ms": 1e3 * t.prefill / max(t.requests, 1),  # mean time to first token (= prefill) per request
+        "prefix_reused": t.prefix_tokens / max(t.prompt_tokens, 1),  # share of prompt tokens the prefix cache kept
         "memory_mib": session.memory_in_use() / 2**20,
         # sampled outputs legitimately differ between drafters (each consumes the RNG its own way)
         "identical_to_plain": t.outputs == base.outputs if greedy else None,
@@ -204,15 +212,17 @@ def print_table(table: List[Dict[str, object]], bundle_name: str, prompts, domai
           f"backend={table[0]['backend']}, {rounds} interleaved rounds; speedup = median of per-round tok/s ratios "
           "to 'none' [min-max]")
     print(f"{'drafter':17s} {'T':>4s} {'tok/s':>7s} {'speedup':>8s} {'[min-max]':>12s} {'tau':>5s} {'ms/cycle':>9s} "
-          f"{'draft':>7s} {'verify':>7s} {'other':>7s} {'MiB':>6s}  identical")
+          f"{'draft':>7s} {'verify':>7s} {'other':>7s} {'TTFT ms':>8s} {'MiB':>6s}  identical")
     for t in table:
         label = t["label"] + (" *" if standin else "")
         ident = {True: "yes", False: "NO", None: "n/a"}[t["identical_to_plain"]]
         print(f"{label:17s} {t['temperature']:4.1f} {t['tokens_per_s']:7.1f} {t['speedup']:7.2f}x "
               f"{'[' + format(t['speedup_min'], '.2f') + '-' + format(t['speedup_max'], '.2f') + ']':>12s} "
               f"{t['tau']:5.2f} {t['ms_per_cycle']:9.2f} {t['draft_ms']:7.2f} {t['verify_ms']:7.2f} "
-              f"{t['other_ms']:7.2f} {t['memory_mib']:6.1f}  {ident}")
+              f"{t['other_ms']:7.2f} {t['ttft_ms']:8.2f} {t['memory_mib']:6.1f}  {ident}")
     if standin:
         print("* stand-in rows: the target is the zoo target widened with zero weights (edgespec zoo standin); tau is "
               "the zoo's, tok/s is a wider model's")
-    print(f"'{CONTROL}' is plain decoding measured again like a drafter: its spread is this run's noise")
+    print(f"'{CONTROL}' is plain decoding measured again like a drafter: its spread is this run's noise; TTFT: mean "
+          f"prefill per request, the prefix cache keeping {table[0]['prefix_reused']:.0%} of prompt tokens "
+          f"(memory.prefix_cache: {cfg.memory.prefix_cache})")

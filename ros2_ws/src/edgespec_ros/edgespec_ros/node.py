@@ -61,6 +61,8 @@ class EdgespecNode(LifecycleNode):
         self._failing = False  # the last request failed (WARN) until one succeeds or the node is re-activated
         self._configure_error: Optional[str] = None
         self._last_tau = 0.0
+        self._last_ttft_s = 0.0
+        self._prefix = (0, 0, 0)  # prefix cache: hits, misses (the session's running counts), last kept tokens
         self._memory_bytes = 0
 
         # Generation waits and runs here; everything else lives in other groups so it keeps running.
@@ -298,6 +300,8 @@ class EdgespecNode(LifecycleNode):
             self._counts["served"] += 1
             self._failing = False
             self._last_tau = float(stats.tau)
+            self._last_ttft_s = float(stats.ttft_s)
+            self._prefix = (int(stats.prefix_hits), int(stats.prefix_misses), int(stats.prefix_tokens))
             self._memory_bytes = int(stats.memory_bytes) or self._memory_bytes
         self._stats_pub.publish(messages.stats_msg(stats))
 
@@ -364,6 +368,7 @@ class EdgespecNode(LifecycleNode):
         state = self._state_label()
         with self._lock:
             counts, last_error, tau = dict(self._counts), self._last_error, self._last_tau
+            ttft_s, (prefix_hits, prefix_misses, prefix_tokens) = self._last_ttft_s, self._prefix
             failing, error_age_s = self._failing, time.monotonic() - self._last_error_at
         message = self._configure_error or state
         if failing and not self._configure_error:
@@ -375,6 +380,10 @@ class EdgespecNode(LifecycleNode):
             "drafter": session.drafter_kind if session else self.p.drafter,
             "memory_bytes": self._memory_bytes,
             "tau_last": tau,
+            "ttft_last_s": ttft_s,
+            "prefix_cache_hits": prefix_hits,  # requests that kept K/V rows of the previous request's prefix
+            "prefix_cache_misses": prefix_misses,
+            "prefix_cache_tokens_last": prefix_tokens,
             "queue_length": len(self.queue),
             "queue_limit": self.queue.limit,
             "busy": self.queue.busy,
