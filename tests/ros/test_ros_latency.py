@@ -56,3 +56,15 @@ def test_latency_tool_short_mode_measures_both_nodes_in_every_scenario(tiny_bund
             assert c["missed"] == (c["rtt_s"] > SCENARIOS[c["scenario"]].period_s or c["finish_reason"] == "deadline")
         else:
             assert c["message"] and c["missed"] or not math.isnan(c["rtt_s"])
+
+
+def test_plot_without_matplotlib_is_refused_up_front_with_what_to_install(capsys):
+    import importlib.util
+
+    from edgespec_ros.latency import main
+
+    if importlib.util.find_spec("matplotlib") is not None:
+        pytest.skip("matplotlib is installed: --plot works")
+    with pytest.raises(SystemExit) as exc:
+        main(["--plot", "latency.png", "--spec", "/nowhere/edgespec", "--plain", ""])
+    assert exc.value.code == 2 and "pip install matplotlib" in capsys.readouterr().err

@@ -25,6 +25,7 @@ every node for duration / rounds seconds.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -181,7 +182,8 @@ def table(result: Dict[str, object]) -> str:
                      f"{_ms(gen, 'p50')} / {_ms(gen, 'p99')} | {_ms(ttft, 'p50')} / {_ms(ttft, 'p99')} | "
                      f"{_ms(q, 'p50')} / {_ms(q, 'p99')} | "
                      f"{_ms(ov, 'p50')} / {_ms(ov, 'p90')} / {_ms(ov, 'p99')} / {_ms(ov, 'max')} |")
-    return "\n".join(lines) + "\n(ms; misses: round trip over the period, or cut at deadline_s = the period)"
+    return "\n".join(lines) + (f"\n(ms; misses: round trip over the period, or cut at deadline_s = the period; "
+                               f"client executor: {result.get('client_executor', '?')})")
 
 
 def plot(result: Dict[str, object], path: str) -> Optional[str]:
@@ -211,6 +213,20 @@ def plot(result: Dict[str, object], path: str) -> Optional[str]:
     return None
 
 
+def make_executor(kind: str):
+    """The client's executor. Each wake-up of rclpy's Python executors rebuilds the wait set (about a
+    millisecond here); the EventsExecutor (C++ event queue, rclpy >= Kilted) does not."""
+    from rclpy.executors import SingleThreadedExecutor
+
+    if kind == "events":
+        try:
+            from rclpy.experimental import EventsExecutor
+        except ImportError:  # Humble, Jazzy
+            return SingleThreadedExecutor()
+        return EventsExecutor()
+    return SingleThreadedExecutor()
+
+
 def _write_json(path: str, data) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -231,6 +247,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write every call and the summary as JSON ('-' = stdout)")
     parser.add_argument("--plot", metavar="PNG", help="write a histogram of the round trips")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the nodes")
+    parser.add_argument("--client-executor", choices=("events", "single"), default="events",
+                        help="how this client spins: rclpy's EventsExecutor (rclpy.experimental, Kilted and later; "
+                             "falls back to single where missing) or the SingleThreadedExecutor")
     args = parser.parse_args(argv)
     names = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = [s for s in names if s not in SCENARIOS]
@@ -239,11 +258,13 @@ def main(argv=None) -> int:
     if args.duration <= 0 or args.rounds < 1:
         parser.error(f"--duration must be > 0 and --rounds >= 1 (got {args.duration}, {args.rounds})")
     duration, rounds = (1.0, 1) if args.short else (args.duration, args.rounds)
-    if args.plot and args.plot != "-" and not args.plot.endswith(".png"):
+    if args.plot and not args.plot.endswith(".png"):
         parser.error(f"--plot: {args.plot!r} should name a .png file")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib, which is not installed: `pip install matplotlib` "
+                     "(or `pip install edgespec[plot]`)")
 
     import rclpy
-    from rclpy.executors import SingleThreadedExecutor
 
     from edgespec_ros.client import EdgespecClient
 
@@ -255,8 +276,8 @@ def main(argv=None) -> int:
               flush=True)
         launcher = subprocess.Popen([sys.executable, "-m", "edgespec_ros.launcher", args.launch])
     rclpy.init()
-    node = rclpy.create_node("edgespec_latency")
-    executor = SingleThreadedExecutor()
+    node = rclpy.create_node("edgespec_latency", start_parameter_services=False)  # fewer entities to wait on
+    executor = make_executor(args.client_executor)
     try:
         clients = [EdgespecClient(node, p) for p in (args.spec, args.plain) if p]
         for c in clients:
@@ -266,6 +287,7 @@ def main(argv=None) -> int:
         executor.add_node(node)  # after the waits: they spin the node in rclpy's global executor
         result = measure(executor, clients, [SCENARIOS[n] for n in names], duration, rounds,
                          warmup=2 if args.short else 5)
+        result["client_executor"] = type(executor).__name__
         print(table(result) if args.json != "-" else json.dumps(result), flush=True)
         if args.json and args.json != "-":
             _write_json(args.json, result)
