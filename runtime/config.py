@@ -31,6 +31,8 @@ class MemoryConfig:
                                                 "runtime/memory.py plans it); the KV arena gets what is left; "
                                                 "0 = no budget, size the arena from max_context")
     max_context: int = limits(2048, min=16, max=1 << 20, doc="positions the KV cache holds per model")
+    prefix_cache: bool = limits(True, doc="keep the K/V rows of the prompt prefix a request shares with the previous "
+                                          "one (exact: same tokens, same positions) and prefill only the rest")
 
 
 @dataclass(frozen=True)

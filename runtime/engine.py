@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from runtime.backends.base import TargetBackend
-from runtime.drafters.base import DraftContext, Drafter
+from runtime.drafters.base import DraftContext, Drafter, common_prefix_len
 from runtime.errors import RequestError
 from runtime.grammar import Grammar, GrammarState
 from runtime.sampling import SamplingParams, process_logits, process_logits_batch, sample
@@ -47,6 +47,12 @@ class DecodeStats:
     grammar_s: float = 0.0
     wall_s: float = 0.0  # engine.generate, end to end
     memory_bytes: int = 0
+    # Prefix cache (Engine.prefix_cache): prompt tokens whose K/V rows were kept from the previous request
+    # (same tokens at the same positions) and the ones the prefill ran; the session's running hit/miss counts.
+    prefix_tokens: int = 0
+    prefill_tokens: int = 0
+    prefix_hits: int = 0  # requests, this one included, that reused at least one row
+    prefix_misses: int = 0  # requests that prefilled their whole prompt
     drafter: str = "none"
     backend: str = ""
 
@@ -80,13 +86,24 @@ class StopCheck:
 
 
 class Engine:
+    """`prefix_cache`: a request keeps the target's K/V rows of the longest prefix its prompt shares with
+    what the cache holds from the previous request (prompt + output, in the same arena) and prefills only
+    the rest. Exact by construction: a row's K/V depend only on the tokens at and before its position, and
+    the kept rows are those tokens at those positions. Drafters that keep state opt in through
+    `Drafter.reusable_prefix`; the others make the target recompute the whole prompt."""
+
     def __init__(self, target: TargetBackend, drafter: Optional[Drafter], eos_ids: Sequence[int] = (),
-                 sampled_verifier: Callable = verify_sampled):
+                 sampled_verifier: Callable = verify_sampled, prefix_cache: bool = True):
         self.target = target
         self.drafter = drafter
         self.eos = set(int(e) for e in eos_ids)
         # Replaceable only so that `certify` can prove it catches a wrong rule; always verify_sampled in use.
         self.sampled_verifier = sampled_verifier
+        self.prefix_cache = prefix_cache
+        self._cached: List[int] = []  # the tokens of the target's cache rows 0 .. len-1, after the last request
+        self._cached_by: Optional[TargetBackend] = None  # ... in this backend (certify swaps in a wrapper)
+        self.prefix_hits = 0
+        self.prefix_misses = 0
 
     def check_request(self, prompt: Sequence[int], max_tokens: int, params: SamplingParams) -> None:
         if len(prompt) == 0:
@@ -122,19 +139,20 @@ class Engine:
         t0 = time.perf_counter()
         state = grammar.start() if grammar is not None else None
 
-        first, taps = self._prefill(prompt, params, rng, state.allowed(()) if state else None)
+        first, taps, start = self._prefill(prompt, params, rng, state.allowed(()) if state else None)
         if first_token is not None:
             first = int(first_token)
         if state is not None:
             state.commit([first])
         stats.prefill_s = stats.ttft_s = time.perf_counter() - t0
         stats.target_forwards = 1
+        stats.prefix_tokens, stats.prefill_tokens = start, len(prompt) - start
         context = prompt + [first]
         out: List[int] = []
         finish = self._emit([first], out, max_tokens, on_tokens)
         if self.drafter is not None:
             td = time.perf_counter()
-            self.drafter.begin(prompt, taps)
+            self.drafter.begin(prompt, taps, start=start) if start else self.drafter.begin(prompt, taps)
             stats.draft_s += time.perf_counter() - td
 
         while finish is None:
@@ -166,16 +184,40 @@ class Engine:
         stats.tokens_per_s = len(out) / stats.wall_s if stats.wall_s > 0 else 0.0
         stats.other_s = stats.wall_s - stats.prefill_s - stats.draft_s - stats.verify_s  # spans never overlap
         stats.grammar_s = state.seconds if state is not None else 0.0
+        # The cache's tokens, for the next request's prefix (left unset when a request fails midway: the next
+        # one then prefills in full and the drafter starts afresh).
+        self._cached, self._cached_by = context[:self.target.cache_len], self.target
+        stats.prefix_hits, stats.prefix_misses = self.prefix_hits, self.prefix_misses
         return DecodeOutput(tokens=out, finish_reason=finish, stats=stats)
+
+    def _reusable(self, prompt: List[int]) -> int:
+        """Rows of the target's cache to keep for `prompt`: the common prefix with the previous request's
+        tokens, at least one prompt token left to run (its logits give the first token), and no more than
+        the drafter can start from."""
+        cached, cached_by = self._cached, self._cached_by
+        self._cached, self._cached_by = [], None  # until this request ends
+        if not self.prefix_cache or cached_by is not self.target:
+            return 0
+        n = min(common_prefix_len(cached, prompt), len(prompt) - 1, self.target.cache_len)
+        if n > 0 and self.drafter is not None:
+            n = max(0, min(n, self.drafter.reusable_prefix(n)))
+        return n
 
     def _prefill(self, prompt: List[int], params: SamplingParams, rng: np.random.Generator,
                  mask: Optional[np.ndarray] = None):
-        self.target.reset()
+        """Returns (first token, taps of the rows run, start): rows [0, start) were kept, [start, len) run."""
+        start = self._reusable(prompt)
+        if start:
+            self.target.keep(start, [])
+            self.prefix_hits += 1
+        else:
+            self.target.reset()
+            self.prefix_misses += 1
         taps = self.drafter.target_taps if self.drafter else ()
-        res = self.target.forward(np.asarray(prompt, np.int64), np.arange(len(prompt)), None, taps)
+        res = self.target.forward(np.asarray(prompt[start:], np.int64), np.arange(start, len(prompt)), None, taps)
         p = process_logits(res.logits[-1], params, prompt, mask)
         first = int(np.argmax(p)) if params.greedy else sample(p, rng)
-        return first, res.taps
+        return first, res.taps, start
 
     def _cycle(self, context: List[int], params: SamplingParams, rng, draft_rng, remaining: int, stats: DecodeStats,
                grammar: Optional[GrammarState] = None):

@@ -219,14 +219,16 @@ class Session:
         self.drafter_kind = name
         self.backend_name = backend.kind
         self.prompts = prompt_format(b, self.tokenizer)
-        self.engine = Engine(self.target, self.drafter, eos_ids(b, self.prompts, self.tokenizer))
+        self.engine = Engine(self.target, self.drafter, eos_ids(b, self.prompts, self.tokenizer),
+                             prefix_cache=config.memory.prefix_cache)
         self._actions: Optional[ActionTokenizer] = None
         self._grammar_tokenizer: Optional[GrammarTokenizer] = None
         self._grammars: Dict[tuple, Grammar] = {}  # compiled grammars by (kind, text), the most recent few
 
     @classmethod
     def open(cls, bundle_dir: str, drafter: Optional[str] = None, backend: Optional[str] = None,
-             max_context: Optional[int] = None, num_tokens: Optional[int] = None) -> "Session":
+             max_context: Optional[int] = None, num_tokens: Optional[int] = None,
+             prefix_cache: Optional[bool] = None) -> "Session":
         cfg = RuntimeConfig(bundle=bundle_dir)
         if drafter is not None:
             cfg = replace(cfg, drafter=replace(cfg.drafter, kind=drafter))
@@ -236,6 +238,8 @@ class Session:
             cfg = replace(cfg, backend=replace(cfg.backend, kind=backend))
         if max_context is not None:
             cfg = replace(cfg, memory=replace(cfg.memory, max_context=max_context))
+        if prefix_cache is not None:
+            cfg = replace(cfg, memory=replace(cfg.memory, prefix_cache=prefix_cache))
         return cls(cfg)
 
     def memory_in_use(self) -> int:

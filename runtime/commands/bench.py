@@ -165,6 +165,8 @@ def row(label: str, drafter: str, temp: float, t: Tally, base: Tally, session, b
         "tau": t.tau_sum / cyc if t.cycles else 1.0,
         "ms_per_cycle": 1e3 * decode_wall / cyc, "draft_ms": 1e3 * t.draft / cyc,
         "verify_ms": 1e3 * t.verify / cyc, "other_ms": 1e3 * t.other / cyc,
+        "ttft_ms": 1e3 * t.prefill / max(t.requests, 1),  # mean time to first token (= prefill) per request
+        "prefix_reused": t.prefix_tokens / max(t.prompt_tokens, 1),  # share of prompt tokens the prefix cache kept
         "memory_mib": session.memory_in_use() / 2**20,
         "acceptance_by_depth": t.acceptance_by_depth(),
         "target_gb_per_s": bytes_per_forward * t.forwards / sum(t.round_wall) / 1e9,  # target weights read
@@ -269,7 +271,7 @@ def print_table(table: List[Dict[str, object]], bundle_name: str, prompts, domai
           f"backend={table[0]['backend']}, {rounds} interleaved rounds; speedup = median of per-round tok/s ratios "
           "to 'none' [min-max]")
     print(f"{'drafter':17s} {'T':>4s} {'tok/s':>7s} {'speedup':>8s} {'[min-max]':>12s} {'tau':>5s} {'accept d1-4':>15s} "
-          f"{'ms/cycle':>9s} {'draft':>7s} {'verify':>7s} {'other':>7s} {'GB/s':>6s} {'MiB':>6s}  identical")
+          f"{'ms/cycle':>9s} {'draft':>7s} {'verify':>7s} {'other':>7s} {'TTFT ms':>8s} {'GB/s':>6s} {'MiB':>6s}  identical")
     for t in table:
         if t.get("peer"):
             continue
@@ -279,7 +281,7 @@ def print_table(table: List[Dict[str, object]], bundle_name: str, prompts, domai
         print(f"{label:17s} {t['temperature']:4.1f} {t['tokens_per_s']:7.1f} {t['speedup']:7.2f}x "
               f"{'[' + format(t['speedup_min'], '.2f') + '-' + format(t['speedup_max'], '.2f') + ']':>12s} "
               f"{t['tau']:5.2f} {acc:>15s} {t['ms_per_cycle']:9.2f} {t['draft_ms']:7.2f} {t['verify_ms']:7.2f} "
-              f"{t['other_ms']:7.2f} {t['target_gb_per_s']:6.1f} {t['memory_mib']:6.1f}  {ident}")
+              f"{t['other_ms']:7.2f} {t['ttft_ms']:8.2f} {t['target_gb_per_s']:6.1f} {t['memory_mib']:6.1f}  {ident}")
     for t in table:
         tie = t.get("near_tie")
         if tie:
@@ -293,7 +295,9 @@ def print_table(table: List[Dict[str, object]], bundle_name: str, prompts, domai
               "the zoo's, tok/s is a wider model's")
     print(f"GB/s: target weight bytes read per second (its layers and LM head per forward, prefills included); this "
           f"machine's streaming bound measured in this run: {table[0]['bandwidth_bound_gb_per_s']:.1f} GB/s (numpy copy)")
-    print(f"'{CONTROL}' is plain decoding measured again like a drafter: its spread is this run's noise")
+    print(f"'{CONTROL}' is plain decoding measured again like a drafter: its spread is this run's noise; TTFT: mean "
+          f"prefill per request, the prefix cache keeping {table[0]['prefix_reused']:.0%} of prompt tokens "
+          f"(memory.prefix_cache: {cfg.memory.prefix_cache})")
     peers = [t for t in table if t.get("peer")]
     if peers:
         print("\npeers, same weights and prompts, greedy, interleaved with the rows above (speedup: over edgespec's "

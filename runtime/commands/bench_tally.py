@@ -13,6 +13,9 @@ class Tally:
     round_wall: List[float] = field(default_factory=list)  # (rounds,) seconds
     cycles: int = 0
     tau_sum: float = 0.0
+    requests: int = 0
+    prefix_tokens: int = 0  # prompt tokens whose K/V the prefix cache kept
+    prompt_tokens: int = 0
     prefill: float = 0.0
     draft: float = 0.0
     verify: float = 0.0
@@ -31,6 +34,9 @@ class Tally:
         self.round_wall[r] += s.wall_s
         self.cycles += s.cycles
         self.tau_sum += s.tau * s.cycles
+        self.requests += 1
+        self.prefix_tokens += s.prefix_tokens
+        self.prompt_tokens += s.prefix_tokens + s.prefill_tokens
         self.prefill += s.prefill_s
         self.draft += s.draft_s
         self.verify += s.verify_s

@@ -19,7 +19,8 @@ DEFAULT_BUNDLE = RuntimeConfig().bundle  # relative: resolved by `resolve_bundle
 
 # flag attribute -> config key it sets (sampling keys only where the command defines the flag)
 MODEL_FLAGS = {"backend": "backend.kind", "drafter": "drafter.kind", "num_draft": "drafter.num_tokens",
-               "branching": "drafter.branching", "max_context": "memory.max_context"}
+               "branching": "drafter.branching", "max_context": "memory.max_context",
+               "prefix_cache": "memory.prefix_cache"}
 SAMPLING_FLAGS = {"max_tokens": "generation.max_tokens", "temperature": "generation.temperature",
                   "top_p": "generation.top_p", "top_k": "generation.top_k", "seed": "generation.seed"}
 
@@ -64,6 +65,9 @@ def add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
     g.add_argument("--num-draft", type=int, help="draft tokens per branch per cycle, 1..64 (default 4)")
     g.add_argument("--branching", type=int, help="branches per tree node, 1..16 (default 1 = a chain)")
     g.add_argument("--max-context", type=int, help="KV positions per model, 16..1048576 (default 2048)")
+    g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False,
+                   help="prefill every prompt in full (default: keep the K/V of the prefix shared with the "
+                        "previous request; exact either way)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -71,7 +71,8 @@ def run(args) -> int:
     s = res.stats
     print(f"-- {s.tokens} tokens, finish={res.finish_reason}, drafter={s.drafter}, backend={s.backend}")
     print(f"-- tau={s.tau:.2f} tokens/verify, target forwards={s.target_forwards}, {s.tokens_per_s:.1f} tokens/s, "
-          f"ttft={s.ttft_s * 1e3:.1f} ms")
+          f"ttft={s.ttft_s * 1e3:.1f} ms ({s.prefill_tokens} prompt tokens prefilled, {s.prefix_tokens} kept by the "
+          f"prefix cache)")
     print(f"-- time: prefill {s.prefill_s * 1e3:.1f} ms, draft {s.draft_s * 1e3:.1f} ms, verify {s.verify_s * 1e3:.1f} ms, "
           f"other {s.other_s * 1e3:.1f} ms; acceptance by depth {[round(a, 2) for a in s.acceptance_by_depth]}")
     if schema is not None or lark is not None:

@@ -24,6 +24,14 @@ from runtime.siblings import draw_siblings
 from runtime.tree import DraftTree
 
 
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 @dataclass
 class DraftContext:
     tokens: Sequence[int]  # prompt + emitted tokens; tokens[-1] is the root of the tree to propose
@@ -48,8 +56,18 @@ class Drafter:
     sibling_rule: Callable = staticmethod(draw_siblings)
     builds_sampled_trees: bool = False  # True where `branching` > 1 gives sampled siblings (certify tests them)
 
-    def begin(self, prompt: Sequence[int], taps: Dict[str, np.ndarray]) -> None:
-        """A new request: the target has just prefilled `prompt` (taps rows align with it)."""
+    def begin(self, prompt: Sequence[int], taps: Dict[str, np.ndarray], start: int = 0) -> None:
+        """A new request: the target has just prefilled `prompt`. With `start` > 0 (only after
+        `reusable_prefix` allowed it) the target kept its rows [0, start) from the previous request (the
+        same tokens at the same positions) and ran the rest: taps rows align with prompt[start:]. The
+        engine passes `start` only when it is > 0."""
+
+    def reusable_prefix(self, n: int) -> int:
+        """The target could keep its first `n` cache rows from the previous request (prompt prefix cache):
+        how many of them may it keep, given this drafter's own state? `begin` then gets that `start`.
+        0 (the default) makes the target prefill the whole prompt and `begin` start afresh: the safe
+        answer for a drafter that keeps state or reads target taps and has not been taught otherwise."""
+        return 0
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         raise NotImplementedError

@@ -4,7 +4,8 @@ with its own q.
 
 Its KV cache is a view into the same arena as the target's, so it counts against the one budget. The
 cache follows the committed tokens lazily: before drafting, the longest common prefix of what the
-cache holds and the context is kept and only the rest (usually the root plus a token or two) is run."""
+cache holds and the context is kept and only the rest (usually the root plus a token or two) is run.
+The same rule carries the draft cache across requests when the target reuses a prompt prefix."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -13,18 +14,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from runtime.backends.base import TargetBackend
-from runtime.drafters.base import DraftContext, Drafter
+from runtime.drafters.base import DraftContext, Drafter, common_prefix_len
 from runtime.sampling import SamplingParams, process_logits, sample
 from runtime.siblings import Siblings, draw_siblings, top_k
 from runtime.tree import DraftTree, empty_tree
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def pick_children(logits: np.ndarray, q: np.ndarray, params: SamplingParams, history: Sequence[int],
@@ -59,8 +52,13 @@ class DraftModelDrafter(Drafter):
     def memory_bytes(self) -> int:
         return int(getattr(self.model, "weight_bytes", 0))
 
-    def begin(self, prompt, taps) -> None:
-        self.reset()
+    def begin(self, prompt, taps, start: int = 0) -> None:
+        if not start:
+            self.reset()
+        # else: the target kept a prefix; `propose` keeps what the draft cache shares with the context
+
+    def reusable_prefix(self, n: int) -> int:
+        return n  # reads no target taps
 
     def reset(self) -> None:
         self.model.reset()
@@ -71,8 +69,9 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         context = list(ctx.tokens)
-        keep = min(common_prefix_len(self.cached, context), len(context) - 1)
+        keep = min(common_prefix_len(self.cached, context), len(context) - 1, self.model.cache_len)
         self.model.keep(keep, [])
+        self.cached = self.cached[:keep]  # (set again below; right also if the forward fails)
         room = self.model.max_cache_len - len(context)  # rows left for drafted nodes
         depth = min(self.k, ctx.max_nodes // self.branching, 1 + room // self.branching)
         logits = self._run(context[keep:], np.arange(keep, len(context)))[-1]

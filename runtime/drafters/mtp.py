@@ -61,9 +61,27 @@ class MTPDrafter(Drafter):
         self.committed_rows = 0
         self.pending = []
 
-    def begin(self, prompt: Sequence[int], taps: Dict[str, np.ndarray]) -> None:
-        self.reset()
-        self.pending = list(taps[self.target_taps[0]])
+    def begin(self, prompt: Sequence[int], taps: Dict[str, np.ndarray], start: int = 0) -> None:
+        new = list(taps[self.target_taps[0]])  # h_t for t = start .. len(prompt) - 1
+        if not start:
+            self.reset()
+            self.pending = new
+            return
+        # The target kept rows [0, start) (see reusable_prefix): keep module rows t < m (row t holds x_{t+1},
+        # which is a kept token for t < start) and take h_t for t in [m, start) from what was pending.
+        m = min(self.committed_rows, start)
+        self.cache.keep(m, [])
+        self.pending = self.pending[:start - m] + new
+        self.committed_rows = m
+
+    def reusable_prefix(self, n: int) -> int:
+        """Module row t holds (h_t, x_{t+1}): with n target rows kept, rows t <= n - 2 stay valid. The module
+        then needs h_t from its first row on: when its committed rows end before n - 1, the h_t still pending
+        from the last request (target rows it has not run yet, all in the kept prefix) carry it as far as
+        they go; otherwise it keeps n - 1 rows and the target reruns position n - 1 for its h."""
+        if self.committed_rows <= n - 1:
+            return min(n, self.committed_rows + len(self.pending))
+        return max(0, n - 1)
 
     def _run(self, hidden: np.ndarray, next_tokens: Sequence[int], start_pos: int):
         """Module rows at positions start_pos.. -> (output hidden h'' (T, H), logits of the last row)."""

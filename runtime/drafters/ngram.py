@@ -75,6 +75,9 @@ class NgramDrafter(Drafter):
         self.min_n = min_n
         self.branching = branching
 
+    def reusable_prefix(self, n: int) -> int:
+        return n  # stateless: it reads only the context
+
     def propose(self, ctx: DraftContext) -> DraftTree:
         k = min(self.k, ctx.max_nodes)
         if k <= 0:

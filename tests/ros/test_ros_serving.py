@@ -213,8 +213,11 @@ def test_diagnostics_are_published_at_1hz_with_backend_drafter_memory_and_queue(
     assert values["state"] == "active"
     assert values["drafter"] == "draft_model" and values["backend"]
     assert int(values["memory_bytes"]) > 0
-    for key in ("tau_last", "queue_length", "requests_served", "requests_failed", "last_error"):
+    for key in ("tau_last", "queue_length", "requests_served", "requests_failed", "last_error", "ttft_last_s"):
         assert key in values
+    # earlier tests in this module sent requests: each one is a prefix-cache hit or a miss
+    assert int(values["prefix_cache_hits"]) + int(values["prefix_cache_misses"]) >= 1
+    assert int(values["prefix_cache_tokens_last"]) >= 0
 
 
 def test_stats_are_published_on_a_topic_after_each_request(served, client_node):
