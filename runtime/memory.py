@@ -31,7 +31,7 @@ MIN_CONTEXT = 16  # the smallest context a session runs with (memory.max_context
 BYTES_PER_WEIGHT = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5 + 2 / 128}
 # Resident bytes of the process before any model is loaded (VmRSS after imports, measured on the dev VM);
 # "device": a CUDA context + cuBLAS/TensorRT workspace on Orin, an estimate until profiled there.
-RUNTIME_OVERHEAD = {"numpy_ref": 40 * MiB, "onnx": 76 * MiB, "device": 512 * MiB}
+RUNTIME_OVERHEAD = {"numpy_ref": 40 * MiB, "onnx": 76 * MiB, "device": 512 * MiB, "tensorrt": 512 * MiB}
 # onnxruntime's CPU arena keeps each session's peak (target and draft graph alike), at ~2.5x the numpy
 # activations of the same forward (zoo, prefill of 512-2048 tokens: 2.3-2.9x).
 ONNX_SCRATCH_FACTOR = 2.5
