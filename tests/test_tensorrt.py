@@ -19,9 +19,10 @@ from export.tensorrt import (ENGINE_DIR, TIMING_CACHE, check_tensorrt_version, c
 from runtime import bundle as bundle_mod
 from runtime import memory
 from runtime.backends.numpy_ref import cache_shape
-from runtime.backends.tensorrt_plan import (PROFILE_NAMES, cache_offsets, engine_profiles, kv_addresses,
-                                            parse_l4t_release, pick_profile, profiles_to_params, row_moves,
-                                            version_mismatch)
+from runtime.backends.onnx import causal_additive_mask
+from runtime.backends.tensorrt_plan import (PROFILE_NAMES, cache_offsets, engine_profiles, graph_bucket, kv_addresses,
+                                            padded_mask, parse_l4t_release, pick_profile, profiles_to_params,
+                                            row_moves, version_mismatch)
 from runtime.cli import main
 from runtime.errors import BackendError, BudgetExceeded, BundleError
 from runtime.kv import CacheShape, KVArena
@@ -149,6 +150,37 @@ def test_row_moves_skip_rows_in_place_and_merge_runs_only_while_they_do_not_over
     assert row_moves(10, [10, 12, 15]) == [(12, 11, 1), (15, 12, 1)]
     assert row_moves(4, [7, 8, 9]) == [(7, 4, 3)]
     assert row_moves(4, [6, 7, 8]) == [(6, 4, 2), (8, 6, 1)]
+
+
+def test_graph_buckets_pad_the_past_to_64_rows_and_leave_prefills_and_the_cache_end_eager():
+    assert [graph_bucket(p, 1, 9, 1024) for p in (0, 1, 63, 64, 65, 960)] == [0, 64, 64, 64, 128, 960]
+    assert graph_bucket(10, 10, 9, 1024) is None  # beyond the verify profile: a prefill
+    assert graph_bucket(1000, 1, 9, 1024) is None  # 1024 + 1 rows would overrun the cache
+
+
+def test_a_past_padded_with_stale_rows_under_the_padded_mask_gives_the_unpadded_forward(tiny_target):
+    """What a captured CUDA graph runs, checked on the very graph TensorRT builds from, with ONNX Runtime: the
+    past padded from P to B rows of stale (finite, large) K/V, masked -inf, gives the same logits and new K/V."""
+    import onnxruntime as ort
+
+    spec, _, path = tiny_target
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    p, b, t = 5, 64, 3
+    kv = (spec.num_kv_heads, spec.head_dim)
+    past = {f"past_{k}_{i}": rng.standard_normal((p, *kv)).astype(np.float16)
+            for k in ("key", "value") for i in range(spec.num_layers)}
+    feeds = {"input_ids": rng.integers(0, spec.vocab_size, t), "position_ids": np.arange(p, p + t)}
+    mask = causal_additive_mask(p, t)
+    plain = sess.run(None, {**feeds, "attention_mask": mask, **past})
+    stale = {n: np.concatenate([a, 30 * rng.standard_normal((b - p, *kv)).astype(np.float16)]) for n, a in past.items()}
+    padded = sess.run(None, {**feeds, "attention_mask": padded_mask(mask, p, b), **stale})
+    for a, c in zip(plain, padded):
+        np.testing.assert_allclose(a.astype(np.float32), c.astype(np.float32), rtol=0, atol=1e-3 * np.abs(a).max())
+    unmasked = padded_mask(mask, p, b)
+    unmasked[:, p:b] = 0  # control: stale rows left visible must change the logits
+    leaked = sess.run(None, {**feeds, "attention_mask": unmasked, **stale})
+    assert np.abs(leaked[0] - plain[0]).max() > 1e-2 * np.abs(plain[0]).max()
 
 
 # ---------------------------------------------------------------------------------------------- versions

@@ -13,6 +13,12 @@ Each engine has two optimisation profiles (verify, prefill: tensorrt_plan.engine
 execution context each; the two contexts never run at once and share one activation buffer, as large as the
 larger profile needs. Everything runs on one CUDA stream with `execute_async_v3`.
 
+CUDA graphs (backend.cuda_graphs): a graph replays fixed shapes and addresses, but the past grows by a row every
+step. So a captured forward binds the past padded up to a multiple of 64 rows (the padding rows hold stale,
+finite K/V and the mask gives them -inf: probability exactly 0, tensorrt_plan.padded_mask), writes its new K/V
+to a fixed staging buffer, and two 2-D copies move them to rows P..P+T of the arena. One graph per (T, padded P)
+then serves 64 consecutive decode steps; a forward the verify profile does not take (a prefill) runs eagerly.
+
 Not run here: this repository is developed on machines without a GPU or TensorRT; the pure parts (profiles,
 offsets, row moves, version checks) are tested there, and `scripts/gpu_check.sh` runs this class on a GPU."""
 from __future__ import annotations
@@ -28,8 +34,8 @@ import numpy as np
 
 from runtime.backends.base import ForwardResult, parse_tap
 from runtime.backends.onnx import additive_mask, causal_additive_mask, tap_output_name
-from runtime.backends.tensorrt_plan import (cache_offsets, kv_addresses, parse_l4t_release, pick_profile, row_moves,
-                                            version_mismatch)
+from runtime.backends.tensorrt_plan import (cache_offsets, graph_bucket, kv_addresses, padded_mask, parse_l4t_release,
+                                            pick_profile, row_moves, version_mismatch)
 from runtime.errors import BackendError, BudgetExceeded
 from runtime.kv import KVCache
 from runtime.model_spec import ModelSpec
@@ -136,7 +142,7 @@ class TensorRTTarget:
     name = "tensorrt"
 
     def __init__(self, spec: ModelSpec, engine_path: str, cache: KVCache, params: Mapping[str, object],
-                 tap_names: Sequence[str] = ("final_norm",), bundle_root: str = "BUNDLE"):
+                 tap_names: Sequence[str] = ("final_norm",), bundle_root: str = "BUNDLE", cuda_graphs: bool = False):
         trt, cudart = import_tensorrt(), import_cudart()
         self.trt, self.cudart = trt, cudart
         self.spec, self.cache, self.engine_path = spec, cache, engine_path
@@ -186,6 +192,13 @@ class TensorRTTarget:
         self.d_logits = _Buffer(cudart, (t_max, spec.vocab_size), np.float32, pinned=True)
         self.d_taps = {t: _Buffer(cudart, (t_max, spec.hidden_size), np.float32, pinned=True) for t in self.engine_taps}
         self.last_run_s = 0.0
+        self.rows = rows
+        self.cuda_graphs = cuda_graphs
+        self._graphs: Dict[tuple, object] = {}  # (T, padded P) -> cudaGraphExec_t
+        if cuda_graphs:
+            self.t_graph = int(self.profiles["verify"]["max_tokens"])
+            staging = (spec.num_layers, self.t_graph, spec.num_kv_heads, spec.head_dim)
+            self.d_new_k, self.d_new_v = _Buffer(cudart, staging, self.kv_dtype), _Buffer(cudart, staging, self.kv_dtype)
 
     # -- set-up checks --------------------------------------------------------------------------------
 
@@ -245,7 +258,18 @@ class TensorRTTarget:
             raise ValueError(f"mask shape {mask.shape}, expected {(t, p + t)} (new tokens x cache+new)")
         else:
             add_mask = additive_mask(mask)
-        ctx = self.contexts[pick_profile(self.profiles, t, p, self.engine_path)]
+        index = pick_profile(self.profiles, t, p, self.engine_path)
+        padded = graph_bucket(p, t, self.t_graph, self.rows) if self.cuda_graphs and index == 0 else None
+        if padded is not None:
+            out = self._forward_graph(tokens, positions, add_mask, p, padded, taps)
+            if out is not None:
+                return out
+        return self._forward_eager(tokens, positions, add_mask, index, taps)
+
+    def _forward_eager(self, tokens, positions, add_mask: np.ndarray, index: int, taps: Sequence[str]) -> ForwardResult:
+        """One forward with the past bound in place (P rows) and the new K/V written straight after it."""
+        t, p = len(tokens), self.cache.length
+        ctx = self.contexts[index]
         self._h2d(self.d_ids, np.ascontiguousarray(tokens, dtype=self.d_ids.dtype))
         self._h2d(self.d_pos, np.ascontiguousarray(positions, dtype=self.d_pos.dtype))
         self._h2d(self.d_mask, np.ascontiguousarray(add_mask))
@@ -275,6 +299,71 @@ class TensorRTTarget:
         self.cache.length = p + t
         return ForwardResult(logits=self.d_logits.host[:t].copy(),
                              taps={name: self.d_taps[name].host[:t].copy() for name in taps})
+
+    def _forward_graph(self, tokens, positions, add_mask, p: int, padded: int, taps: Sequence[str]
+                       ) -> Optional[ForwardResult]:
+        """One verify-profile forward through the CUDA graph of (T, padded P), captured on first use."""
+        t = len(tokens)
+        self._h2d(self.d_ids, np.ascontiguousarray(tokens, dtype=self.d_ids.dtype))
+        self._h2d(self.d_pos, np.ascontiguousarray(positions, dtype=self.d_pos.dtype))
+        self._h2d(self.d_mask, padded_mask(add_mask, p, padded))
+        start = time.perf_counter()
+        graph = self._graphs.get((t, padded))
+        if graph is None:
+            graph = self._capture(t, padded)
+        if graph is None:  # this engine cannot be captured: the caller runs it eagerly, from now on always
+            self.cuda_graphs = False
+            return None
+        cuda_check(self.cudart.cudaGraphLaunch(graph, self.stream), "cudaGraphLaunch")
+        kind, block = self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.cache.max_positions * self._row_bytes
+        for staged, off in ((self.d_new_k, self.k_offset), (self.d_new_v, self.v_offset)):
+            cuda_check(self.cudart.cudaMemcpy2DAsync(self.arena.ptr + off + p * self._row_bytes, block, staged.ptr,
+                                                     self.t_graph * self._row_bytes, t * self._row_bytes,
+                                                     self.spec.num_layers, kind, self.stream), "staged K/V copy")
+        self._d2h(self.d_logits, t * self.spec.vocab_size * 4)
+        for name in taps:
+            self._d2h(self.d_taps[name], t * self.spec.hidden_size * 4)
+        cuda_check(self.cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+        self.last_run_s = time.perf_counter() - start
+        self.cache.length = p + t
+        return ForwardResult(logits=self.d_logits.host[:t].copy(),
+                             taps={name: self.d_taps[name].host[:t].copy() for name in taps})
+
+    def _capture(self, t: int, padded: int):
+        """Bind the verify context for T tokens over a past of `padded` rows (new K/V to the staging buffers),
+        run it once (TensorRT finishes its shape-dependent set-up outside a capture), then capture one
+        execute_async_v3 into a CUDA graph. None if the engine cannot be captured."""
+        ctx, cudart, row = self.contexts[0], self.cudart, self._row_bytes
+        ctx.set_input_shape("input_ids", (t,))
+        ctx.set_input_shape("position_ids", (t,))
+        ctx.set_input_shape("attention_mask", (t, padded + t))
+        for name, addr in (("input_ids", self.d_ids.ptr), ("position_ids", self.d_pos.ptr),
+                           ("attention_mask", self.d_mask.ptr), ("logits", self.d_logits.ptr)):
+            ctx.set_tensor_address(name, addr)
+        for name, buf in self.d_taps.items():
+            ctx.set_tensor_address(tap_output_name(name), buf.ptr)
+        past = (padded, self.spec.num_kv_heads, self.spec.head_dim)
+        addresses = kv_addresses(self.arena.ptr, self.k_offset, self.v_offset, self.spec.num_layers,
+                                 self.cache.max_positions, row, 0)
+        for i in range(self.spec.num_layers):
+            for kind, staged in (("key", self.d_new_k), ("value", self.d_new_v)):
+                ctx.set_input_shape(f"past_{kind}_{i}", past)
+                ctx.set_tensor_address(f"past_{kind}_{i}", addresses[f"past_{kind}_{i}"])
+                ctx.set_tensor_address(f"new_{kind}_{i}", staged.ptr + i * self.t_graph * row)
+        if not ctx.execute_async_v3(self._stream_handle):
+            return None
+        cuda_check(cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+        mode = cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
+        cuda_check(cudart.cudaStreamBeginCapture(self.stream, mode), "cudaStreamBeginCapture")
+        ok = ctx.execute_async_v3(self._stream_handle)
+        err, graph = cudart.cudaStreamEndCapture(self.stream)
+        if not ok or int(err) != 0:
+            return None
+        exe = cuda_check(cudart.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
+        cudart.cudaGraphDestroy(graph)
+        weakref.finalize(self, cudart.cudaGraphExecDestroy, exe)
+        self._graphs[(t, padded)] = exe
+        return exe
 
     def keep(self, start: int, rows: Sequence[int]) -> None:
         """KVCache.keep's contract on the device buffer: each run of accepted rows moves once, all layers in one

@@ -157,3 +157,27 @@ def version_mismatch(built: Mapping[str, object], here: Mapping[str, object], en
         if str(a) != str(b):
             return f"{engine} was built with {what} {a}, this machine has {b}; {rebuild}"
     return None
+
+
+# -- CUDA graphs ------------------------------------------------------------------------------------
+
+GRAPH_BUCKET = 64  # past rows are padded up to a multiple of this for a captured forward
+
+
+def graph_bucket(p: int, t: int, max_tokens: int, rows: int, bucket: int = GRAPH_BUCKET) -> Optional[int]:
+    """The padded past length B a captured CUDA graph runs a forward of T tokens over P rows with, or None
+    where no graph applies (T beyond the verify profile, or the padded forward beyond the cache). A graph replays
+    fixed shapes and addresses, and P grows every step; padding P up to a bucket lets one graph serve `bucket`
+    consecutive steps. graph_bucket(0, 1, 9, 1024) == 0; (1, 1, ..) -> 64; (64, 5, ..) -> 64; (65, 5, ..) -> 128."""
+    b = -(-p // bucket) * bucket
+    return b if t <= max_tokens and b + t <= rows and b <= rows - 1 else None
+
+
+def padded_mask(add_mask: np.ndarray, p: int, b: int) -> np.ndarray:
+    """(T, P+T) additive mask -> (T, B+T) for a past padded to B rows: the padding rows [P, B) hold stale but
+    finite K/V and get -inf, so softmax gives them probability exactly 0 and they add exact zeros."""
+    t = add_mask.shape[0]
+    out = np.full((t, b + t), -np.inf, np.float32)
+    out[:, :p] = add_mask[:, :p]
+    out[:, b:] = add_mask[:, p:]
+    return out
