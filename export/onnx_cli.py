@@ -54,8 +54,13 @@ def _check(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.to == "tensorrt":
         return run_tensorrt(args)
-    from export.onnx import add_onnx_to_bundle
+    try:
+        from export.onnx import add_onnx_to_bundle
+    except ModuleNotFoundError as exc:  # the robot image has no torch / no export.onnx
+        from runtime.errors import BackendError
 
+        raise BackendError(f"the ONNX export needs the workstation side ({exc.name} is missing): run it on a "
+                           "workstation with `pip install edgespec[export]` and copy the bundle to the robot") from None
     files = add_onnx_to_bundle(args.bundle, args.precision or "fp32", args.taps, validate=not args.no_validate)
     for f in files:
         print(f"wrote {args.bundle}/{f}")
