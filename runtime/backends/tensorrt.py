@@ -357,7 +357,10 @@ class TensorRTTarget:
         cuda_check(cudart.cudaStreamBeginCapture(self.stream, mode), "cudaStreamBeginCapture")
         ok = ctx.execute_async_v3(self._stream_handle)
         err, graph = cudart.cudaStreamEndCapture(self.stream)
-        if not ok or int(err) != 0:
+        if not ok or int(err) != 0:  # TensorRT refused, or the capture was invalidated: drop it, clear the error
+            if int(err) == 0 and graph is not None:
+                cudart.cudaGraphDestroy(graph)
+            cudart.cudaGetLastError()
             return None
         exe = cuda_check(cudart.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
         cudart.cudaGraphDestroy(graph)
