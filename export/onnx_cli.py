@@ -40,6 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="the prefill profile's largest forward (default: the whole context)")
     trt.add_argument("--workspace-mb", type=int, default=1024, metavar="MIB",
                      help="TensorRT builder workspace limit in MiB (default 1024)")
+    trt.add_argument("--lossy-weights", choices=("int8", "int4"), default=None,
+                     help="LOSSY: weight-only quantized engines (int8 per output column, int4 in blocks of 128 rows) "
+                          "of the decoder projections; embedding, LM head, activations and KV keep the graphs' "
+                          "precision. A quantized target is another target: speculative decoding stays exact "
+                          "against it, not against the unquantized model")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -85,7 +90,7 @@ def run_tensorrt(args: argparse.Namespace) -> int:
     from export.tensorrt import add_tensorrt_to_bundle
 
     add_tensorrt_to_bundle(args.bundle, args.max_context, budget, args.verify_tokens, args.prefill_tokens,
-                           args.workspace_mb)
+                           args.workspace_mb, args.lossy_weights)
     return 0
 
 

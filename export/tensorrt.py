@@ -15,9 +15,10 @@ after all builds succeeded; then bundle.yaml (atomically rewritten) lists the fi
 records, per engine, the TensorRT version, the GPU and compute capability, the L4T / JetPack release, the
 profiles and the source graph's checksum. The runtime refuses an engine whose versions do not match the machine.
 
-Weight-only int8 / int4: TensorRT takes them as DequantizeLinear nodes on the weights of a strongly typed
-network (it does not quantize weights itself); the ONNX exporter does not write those nodes yet, so engines have
-the precision of the bundle's ONNX graph (fp16 or fp32)."""
+Weight-only int8 / int4 (`--lossy-weights`, lossy: a quantized target is another target): TensorRT takes them as
+DequantizeLinear nodes on the weights of a strongly typed network (it does not quantize weights itself), so the
+graph is rewritten first (export/quantize.py: int8 per output column, int4 in blocks of 128 input rows) into a
+scratch copy the engine is built from; the bundle's ONNX graph is left as it is."""
 from __future__ import annotations
 
 import hashlib
@@ -76,12 +77,13 @@ def sha256_bytes(data: bytes) -> str:
 
 
 def engine_params(onnx_params: Mapping, source: str, source_sha256: str, profiles: Sequence[Profile],
-                  facts: Mapping[str, object], strongly_typed: bool) -> Dict[str, object]:
+                  facts: Mapping[str, object], strongly_typed: bool, lossy_weights: Optional[str] = None
+                  ) -> Dict[str, object]:
     """What bundle.yaml records of one engine (target.backends.tensorrt.params): what the runtime needs to bind
     it (precision = its KV dtype, taps, layout, profiles) and what ties it to this machine (versions)."""
     return {"precision": onnx_params.get("precision", "fp32"), "taps": list(onnx_params.get("taps", [])),
             "kv_layout": KV_LAYOUT, "profiles": profiles_to_params(profiles), "source": source,
-            "source_sha256": source_sha256, "strongly_typed": strongly_typed,
+            "source_sha256": source_sha256, "strongly_typed": strongly_typed, "lossy_weights": lossy_weights,
             **{k: facts.get(k) for k in ("tensorrt_version", "device_name", "compute_capability", "l4t_version",
                                         "jetpack_version")}}
 
@@ -185,9 +187,10 @@ def install_engines(bundle_dir: str, built: Mapping[str, Tuple[bytes, Mapping]],
 
 def add_tensorrt_to_bundle(bundle_dir: str, max_context: Optional[int] = None, budget: Optional[int] = None,
                            verify_tokens: int = memory.DRAFT_SLACK, prefill_tokens: Optional[int] = None,
-                           workspace_mb: int = 1024) -> Tuple[str, ...]:
+                           workspace_mb: int = 1024, lossy_weights: Optional[str] = None) -> Tuple[str, ...]:
     """Build an engine for every model of the bundle that has an ONNX graph (on this machine's GPU) and install
-    them as backend "tensorrt". Nothing is written until every build succeeded. Returns the files written."""
+    them as backend "tensorrt". Nothing is written until every build succeeded. Returns the files written.
+    lossy_weights "int8" / "int4": build from a weight-only quantized copy of each graph (export/quantize.py)."""
     b = bundle_mod.load(bundle_dir)
     models = _models(b)
     trt, cudart = import_tensorrt(), import_cudart()
@@ -206,6 +209,16 @@ def add_tensorrt_to_bundle(bundle_dir: str, max_context: Optional[int] = None, b
                                    min(verify_tokens, prefill), prefill)
         print(f"building {engine_path(name)} from {onnx_rel} ({rows} cache rows, verify <= {profiles[0].max_tokens}, "
               f"prefill <= {profiles[1].max_tokens} tokens); this takes minutes", flush=True)
-        engine, timing, typed = build_engine(trt, b.path(onnx_rel), profiles, timing, workspace_mb << 20)
-        built[name] = (engine, engine_params(onnx_params, onnx_rel, b.files[onnx_rel].sha256, profiles, facts, typed))
+        with tempfile.TemporaryDirectory(prefix=".quantize.", dir=bundle_dir) as scratch:
+            source = b.path(onnx_rel)
+            if lossy_weights is not None:
+                from export.quantize import quantize_graph
+
+                source = os.path.join(scratch, os.path.basename(onnx_rel))
+                stats = quantize_graph(b.path(onnx_rel), source, lossy_weights)
+                print(f"  {lossy_weights} weights (lossy): {stats['quantized']} projections, "
+                      f"{stats['bytes_before'] / 2**20:.1f} -> {stats['bytes_after'] / 2**20:.1f} MiB")
+            engine, timing, typed = build_engine(trt, source, profiles, timing, workspace_mb << 20)
+        built[name] = (engine, engine_params(onnx_params, onnx_rel, b.files[onnx_rel].sha256, profiles, facts, typed,
+                                             lossy_weights))
     return install_engines(bundle_dir, built, timing)

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 
-from export.onnx import export_target_onnx, input_names
+from export.onnx import input_names
 from export.tensorrt import (ENGINE_DIR, TIMING_CACHE, check_tensorrt_version, context_rows, engine_params,
                              engine_path, install_engines, write_bytes_atomically)
 from runtime import bundle as bundle_mod
@@ -44,19 +44,15 @@ def run_cli(argv, capsys):
 
 
 @pytest.fixture(scope="module")
-def tiny_target(tiny_bundle, tmp_path_factory):
-    """(spec, weights, path of its fp16 ONNX graph)."""
-    b = bundle_mod.load(tiny_bundle)
-    weights = read_safetensors(b.path(b.target.backends["numpy_ref"].files[0]))
-    path = str(tmp_path_factory.mktemp("trt_onnx") / "target.fp16.onnx")
-    export_target_onnx(b.target.spec, weights, path, ("final_norm",), "fp16")
-    return b.target.spec, weights, path
+def tiny_target(tiny_fp16_graph):
+    """(spec, path of the tiny target's fp16 ONNX graph), shared with tests/test_quantize.py (conftest)."""
+    return tiny_fp16_graph
 
 
 # ---------------------------------------------------------------------------------------------- profiles
 
 def test_profiles_cover_every_input_of_the_exported_graph_with_its_rank_and_static_dims(tiny_target):
-    spec, _, path = tiny_target
+    spec, path = tiny_target
     graph_inputs = {i.name: i for i in onnx.load(path, load_external_data=False).graph.input}
     assert set(graph_inputs) == set(input_names(spec.num_layers))
     for prof in engine_profiles(spec.num_layers, spec.num_kv_heads, spec.head_dim, 256, 9, 128):
@@ -163,7 +159,7 @@ def test_a_past_padded_with_stale_rows_under_the_padded_mask_gives_the_unpadded_
     past padded from P to B rows of stale (finite, large) K/V, masked -inf, gives the same logits and new K/V."""
     import onnxruntime as ort
 
-    spec, _, path = tiny_target
+    spec, path = tiny_target
     sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     p, b, t = 5, 64, 3
@@ -274,7 +270,7 @@ def test_export_to_tensorrt_without_tensorrt_is_one_line_naming_it_and_how_to_ge
     assert code == 2 and "no ONNX graph to build engines from" in err and "--precision fp16" in err
     os.makedirs(os.path.join(root, "onnx"))
     for suffix in ("", ".data"):  # the fp16 graph of this bundle's target, registered as `export --to onnx` does
-        shutil.copy(tiny_target[2] + suffix, os.path.join(root, "onnx", "target.fp16.onnx" + suffix))
+        shutil.copy(tiny_target[1] + suffix, os.path.join(root, "onnx", "target.fp16.onnx" + suffix))
     writer = bundle_mod.BundleWriter.extend(root)
     writer.add_target_backend("onnx", ["onnx/target.fp16.onnx", "onnx/target.fp16.onnx.data"],
                               {"precision": "fp16", "taps": ["final_norm"], "kv_layout": "layer_major"})
