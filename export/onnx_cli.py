@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     trt.add_argument("--verify-tokens", type=int, default=64, metavar="T",
                      help="the verify profile's largest forward: draft tree nodes + 1 (default 64)")
     trt.add_argument("--prefill-tokens", type=int, default=None, metavar="T",
-                     help="the prefill profile's largest forward (default: the whole context)")
+                     help="the prefill profile's largest forward (default 512); a longer prompt is prefilled in causal "
+                          "chunks of this size, which bounds the engine's activation memory")
     trt.add_argument("--workspace-mb", type=int, default=1024, metavar="MIB",
                      help="TensorRT builder workspace limit in MiB (default 1024)")
     trt.add_argument("--lossy-weights", choices=("int8", "int4"), default=None,

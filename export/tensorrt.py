@@ -7,7 +7,8 @@ Per model (the target, and each draft model that has an ONNX graph) one engine, 
   and KV with its norms and softmax kept in float32, exactly as ONNX Runtime runs it (a weakly typed fp16 build
   may demote those to half). An fp32 graph builds an fp32 engine.
 - two optimisation profiles (runtime/backends/tensorrt_plan.engine_profiles): verify (T <= --verify-tokens)
-  and prefill (T <= --prefill-tokens), both over caches of --max-context + DRAFT_SLACK rows;
+  and prefill (T <= --prefill-tokens, default 512: longer prompts run in chunks), both over caches of
+  --max-context + DRAFT_SLACK rows;
 - the KV cache as explicit I/O (past_key_i in, new_key_i out), bound by the runtime into its one device arena.
 One timing cache for the bundle (`tensorrt/timing.cache`) is loaded and saved across builds, so a rebuild on the
 same device skips most kernel timing. Every engine is written to a temporary file and renamed into place only
@@ -36,6 +37,9 @@ from runtime.errors import BackendError, BundleError
 ENGINE_DIR = "tensorrt"
 TIMING_CACHE = f"{ENGINE_DIR}/timing.cache"
 MIN_TENSORRT = (10, 0)  # named I/O tensors, execute_async_v3, strongly typed networks, int64 I/O
+# The prefill profile's largest forward: a longer prompt runs as causal chunks of this (runtime/backends/tensorrt.py),
+# which bounds the activation memory (attention scores grow with T x context).
+PREFILL_TOKENS = 512
 
 
 def engine_path(model: str) -> str:
@@ -197,7 +201,7 @@ def add_tensorrt_to_bundle(bundle_dir: str, max_context: Optional[int] = None, b
     check_tensorrt_version(trt.__version__)
     facts = machine_facts(trt, cudart)
     rows = context_rows(b, max_context, budget, verify_tokens)
-    prefill = min(prefill_tokens or rows, rows)
+    prefill = min(prefill_tokens or PREFILL_TOKENS, rows)
     _refuse_unlisted(bundle_dir, [engine_path(m[0]) for m in models] + [TIMING_CACHE], set(b.files))
     cache_path = os.path.join(bundle_dir, TIMING_CACHE)
     previous = b.target.backends.get("tensorrt")

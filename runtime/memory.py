@@ -397,6 +397,14 @@ def _safetensors_numel(path: str) -> int:
     return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
 
 
+def _engine_prefill_tokens(bundle, backend: str) -> Optional[int]:
+    """TensorRT engines prefill in chunks of their prefill profile (runtime/backends/tensorrt.py); the other
+    backends prefill a prompt in one forward (None = the whole context)."""
+    files = bundle.target.backends.get(backend) if backend == "tensorrt" else None
+    profile = (files.params.get("profiles") or {}).get("prefill") if files is not None else None
+    return int(profile["max_tokens"]) if profile else None
+
+
 def bundle_inputs(bundle, drafter: str, backend: str, tree_tokens: int) -> PlanInputs:
     """PlanInputs of a bundle as a Session loads it: numpy_ref holds every weight as float32, an ONNX graph
     at its export precision; a draft model without a graph for the backend runs in numpy (float32); an MTP
@@ -420,6 +428,7 @@ def bundle_inputs(bundle, drafter: str, backend: str, tree_tokens: int) -> PlanI
     onnx = backend != "numpy_ref"
     d_graph = entry is not None and entry.spec is not None and backend in entry.backends
     return PlanInputs(target=target, drafter=draft, precision=prec, head_precision=prec, drafter_precision=d_prec,
-                      kv_bytes=kv, drafter_extra_bytes=extra, tree_tokens=tree_tokens, prefill_tokens=None,
+                      kv_bytes=kv, drafter_extra_bytes=extra, tree_tokens=tree_tokens,
+                      prefill_tokens=_engine_prefill_tokens(bundle, backend),
                       overhead_bytes=overhead, scratch_factor=ONNX_SCRATCH_FACTOR if onnx else 1.0,
                       drafter_scratch=onnx and d_graph)

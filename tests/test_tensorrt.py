@@ -179,6 +179,25 @@ def test_a_past_padded_with_stale_rows_under_the_padded_mask_gives_the_unpadded_
     assert np.abs(leaked[0] - plain[0]).max() > 1e-2 * np.abs(plain[0]).max()
 
 
+def test_a_prompt_longer_than_the_prefill_profile_runs_as_causal_chunks_equal_to_one_forward(tiny_bundle):
+    """TensorRTTarget's chunking, driven through the numpy reference's forward (the same contract)."""
+    from runtime.backends.numpy_ref import NumpyTarget
+    from runtime.backends.tensorrt import TensorRTTarget
+
+    b = bundle_mod.load(tiny_bundle)
+    spec, weights = b.target.spec, read_safetensors(b.path(b.target.backends["numpy_ref"].files[0]))
+    shape = cache_shape(spec)
+    arena = KVArena.for_context({"a": shape, "b": shape}, 64)
+    one, chunked = (NumpyTarget(spec, weights, arena.allocate(n, shape, 64)) for n in ("a", "b"))
+    prompt = np.random.default_rng(0).integers(0, spec.vocab_size, 23)
+    ref = one.forward(prompt, np.arange(23), taps=("final_norm",))
+    got = TensorRTTarget._forward_chunked(chunked, prompt, np.arange(23), 8, ("final_norm",))
+    assert got.logits.shape == ref.logits.shape and chunked.cache_len == 23
+    np.testing.assert_allclose(got.logits, ref.logits, rtol=0, atol=1e-4 * np.abs(ref.logits).max())
+    np.testing.assert_allclose(got.taps["final_norm"], ref.taps["final_norm"], atol=1e-4)
+    np.testing.assert_allclose(chunked.cache.k[:23], one.cache.k[:23], atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------- versions
 
 def test_the_l4t_release_is_read_from_nv_tegra_release():
@@ -232,6 +251,9 @@ def test_engines_are_installed_atomically_with_checksums_versions_and_profiles(t
     assert again.drafters[drafter].backends["tensorrt"].files == (engine_path(drafter),)
     assert again.files[TIMING_CACHE].size == len(b"timings")
     assert memory.bundle_kv_bytes(again, "tensorrt") == 2
+    # the plan counts the engine's chunked prefill (64 tokens), not a whole-context prefill
+    assert memory.bundle_inputs(again, "none", "tensorrt", 5).prefill_tokens == 64
+    assert memory.bundle_inputs(again, "none", "numpy_ref", 5).prefill_tokens is None
     assert not [f for f in os.listdir(os.path.join(root, ENGINE_DIR)) if f.endswith(".tmp")]
     with open(os.path.join(root, ENGINE_DIR, "target.engine"), "ab") as f:
         f.write(b"x")
@@ -310,7 +332,7 @@ def test_tensorrt_engine_matches_the_numpy_reference_and_keeps_the_accepted_rows
     root = str(tmp_path / "b")
     shutil.copytree(tiny_bundle, root)
     add_onnx_to_bundle(root, "fp32", validate=False)
-    add_tensorrt_to_bundle(root, max_context=64, verify_tokens=8, prefill_tokens=32, workspace_mb=256)
+    add_tensorrt_to_bundle(root, max_context=64, verify_tokens=4, prefill_tokens=8, workspace_mb=256)
     b = bundle_mod.load(root)
     spec = b.target.spec
     weights = read_safetensors(b.path(b.target.backends["numpy_ref"].files[0]))
@@ -321,7 +343,7 @@ def test_tensorrt_engine_matches_the_numpy_reference_and_keeps_the_accepted_rows
     ref = NumpyTarget(spec, weights, arena.allocate("r", shape, 128))
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, spec.vocab_size, 20)
-    a, r = trt_model.forward(prompt, np.arange(20)), ref.forward(prompt, np.arange(20))  # prefill profile
+    a, r = trt_model.forward(prompt, np.arange(20)), ref.forward(prompt, np.arange(20))  # 3 prefill chunks of <= 8
     np.testing.assert_allclose(a.logits, r.logits, rtol=0, atol=2e-3 * np.abs(r.logits).max())
     tree = np.concatenate([np.ones((4, 20), bool), np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]],
                                                              bool)], axis=1)

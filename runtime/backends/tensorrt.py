@@ -114,7 +114,7 @@ class DeviceArena:
     def for_cache(cls, cudart, cache: KVCache) -> "DeviceArena":
         key = id(cache.k.base)
         arena = cls._live.get(key)
-        if arena is None:
+        if arena is None or arena.nbytes != cache.k.base.nbytes:  # (an id reused by a later host arena)
             arena = cls(cudart, cache.k.base.nbytes)
             cls._live[key] = arena
         return arena
@@ -152,7 +152,10 @@ class TensorRTTarget:
         problem = version_mismatch(params, machine_facts(trt, cudart), engine_path, bundle_root)
         if problem:
             raise BackendError(problem)
-        self.profiles = dict(params["profiles"])  # type: ignore[arg-type]
+        if not isinstance(params.get("profiles"), dict) or not params["profiles"]:
+            raise BackendError(f"{engine_path}: bundle.yaml records no optimisation profiles for it; rebuild it with "
+                               f"`edgespec export --to tensorrt --bundle {bundle_root}`")
+        self.profiles = dict(params["profiles"])
         rows = min(int(v["max_positions"]) for v in self.profiles.values())
         if cache.max_positions > rows:
             raise BudgetExceeded(f"{engine_path} was built for {rows} cache rows, the KV arena gives "
@@ -252,6 +255,9 @@ class TensorRTTarget:
             if name not in self.engine_taps:
                 raise BackendError(f"tap {name!r} is not an output of {self.engine_path} (it has {self.engine_taps}); "
                                    "re-export the ONNX graph with --taps, then rebuild the engines")
+        prefill_max = int(self.profiles[list(self.profiles)[-1]]["max_tokens"])
+        if mask is None and t > prefill_max:
+            return self._forward_chunked(tokens, positions, prefill_max, taps)
         if mask is None:
             add_mask = causal_additive_mask(p, t)
         elif mask.shape != (t, p + t):
@@ -265,6 +271,15 @@ class TensorRTTarget:
             if out is not None:
                 return out
         return self._forward_eager(tokens, positions, add_mask, index, taps)
+
+    def _forward_chunked(self, tokens, positions, chunk: int, taps: Sequence[str]) -> ForwardResult:
+        """A causal forward longer than the prefill profile, as consecutive causal chunks of <= `chunk` tokens:
+        each chunk attends to the cache (earlier chunks included) and causally to itself, which is the causal
+        forward's mask row for row; only the activation memory is bounded by the chunk."""
+        outs = [self.forward(tokens[i:i + chunk], positions[i:i + chunk], None, taps)
+                for i in range(0, len(tokens), chunk)]
+        return ForwardResult(logits=np.concatenate([o.logits for o in outs]),
+                             taps={n: np.concatenate([o.taps[n] for o in outs]) for n in taps})
 
     def _forward_eager(self, tokens, positions, add_mask: np.ndarray, index: int, taps: Sequence[str]) -> ForwardResult:
         """One forward with the past bound in place (P rows) and the new K/V written straight after it."""
