@@ -5,7 +5,8 @@ edgespec's GPU paths and print one summary table.
     equivalence of the fp16 graphs against the numpy reference (prefill, decode, a tree verify, keep),
     greedy identity and speed (`edgespec bench`), a short `edgespec certify`;
   TensorRT (when its bindings and cuda-python import): engines built (`edgespec export --to tensorrt`), the same
-    equivalence, bench and certify, and bench again with CUDA graphs.
+    equivalence (eager and with CUDA graphs), bench and certify, bench again with CUDA graphs, and the forward cost
+    by new tokens x context (`python -m runtime.bench_backend`).
 
 It works on a copy of the zoo bundle under --work, never on build/bundles. Nothing is downloaded unless pip can
 reach an index (tried once, with a 5 s timeout); whatever is missing is named in the table as SKIPPED, with the
@@ -92,8 +93,8 @@ def plan(facts: Dict[str, object]) -> List[Tuple[str, str, Optional[str]]]:
             why = ("onnxruntime-gpu is not installed (onnxruntime: "
                    f"{facts.get('onnxruntime') or 'missing'}, providers {facts.get('ort_providers') or []})")
         rows.append((check, "onnx CUDA EP", why))
-    for check in ("engine build", "equivalence vs numpy", "greedy identity + bench", "bench with CUDA graphs",
-                  "certify"):
+    for check in ("engine build", "equivalence vs numpy", "equivalence, CUDA graphs", "greedy identity + bench",
+                  "bench with CUDA graphs", "certify", "forward cost by T x ctx"):
         why = None
         if not facts.get("tensorrt"):
             why = "TensorRT's Python bindings are not importable (" + str(facts.get("tensorrt_error", "missing")) + ")"
@@ -249,6 +250,14 @@ def execute(steps, args, start: float) -> List[Tuple[str, str, str, float, str]]
             elif check == "equivalence vs numpy":
                 cfg = os.path.join(ROOT, "configs", "runtime_jetson.yaml" if prefix == "onnx" else "runtime_tensorrt.yaml")
                 ok, detail = equivalence(bundle, "onnx" if prefix == "onnx" else "tensorrt", cfg)
+            elif check == "equivalence, CUDA graphs":
+                ok, detail = equivalence(bundle, "tensorrt", graphs_cfg)
+            elif check == "forward cost by T x ctx":
+                rc, out = run([sys.executable, "-m", "runtime.bench_backend", "--bundle", bundle, "--backend",
+                               "tensorrt", "--contexts", "64", "512", "--repeats", "5"], left)
+                print(out)  # the whole table goes above the summary
+                lines = [ln for ln in out.splitlines() if "bandwidth" in ln or "decode" in ln]
+                ok, detail = rc == 0, (lines[-1] if lines else out.strip()[-150:])[:150]
             elif check.startswith("greedy identity") or check == "bench with CUDA graphs":
                 cmd = list(cmds[f"{prefix}-bench"])
                 if check == "bench with CUDA graphs":

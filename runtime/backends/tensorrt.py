@@ -265,7 +265,9 @@ class TensorRTTarget:
         else:
             add_mask = additive_mask(mask)
         index = pick_profile(self.profiles, t, p, self.engine_path)
-        padded = graph_bucket(p, t, self.t_graph, self.rows) if self.cuda_graphs and index == 0 else None
+        # (the padded past must stay inside this cache's own rows: beyond them lie another layer's or model's K/V)
+        padded = (graph_bucket(p, t, self.t_graph, min(self.rows, self.cache.max_positions))
+                  if self.cuda_graphs and index == 0 else None)
         if padded is not None:
             out = self._forward_graph(tokens, positions, add_mask, p, padded, taps)
             if out is not None:
