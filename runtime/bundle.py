@@ -24,8 +24,10 @@ from runtime.tensors import safetensors_dtypes
 
 FORMAT_VERSION = 1
 MANIFEST = "bundle.yaml"
-DATA_SUFFIXES = (".safetensors", ".onnx", ".onnx.data", ".gguf", ".engine", ".plan", ".json", ".yaml", ".txt", ".jinja")
-EXPORTABLE = ("onnx",)  # backends `edgespec export --to` writes
+# .engine: TensorRT engines; .cache: TensorRT's timing cache (kernel timings, reused by the next build on a device)
+DATA_SUFFIXES = (".safetensors", ".onnx", ".onnx.data", ".gguf", ".engine", ".cache", ".plan", ".json", ".yaml", ".txt",
+                 ".jinja")
+EXPORTABLE = ("onnx", "tensorrt")  # backends `edgespec export --to` writes
 # Keys a manifest may have, per level: anything else is a typo or a newer format, refused by name.
 MANIFEST_KEYS = ("format_version", "name", "target", "drafters", "default_drafter", "tokenizer", "generation", "prompts",
                  "files")

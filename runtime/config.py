@@ -43,6 +43,8 @@ class BackendConfig:
     threads: int = limits(0, min=0, max=256, doc="0 = one per CPU core")
     providers: Tuple[str, ...] = ("CPUExecutionProvider",)
     precision: str = limits("fp32", choices=("fp32", "fp16"))
+    cuda_graphs: bool = limits(False, doc="tensorrt: replay decode/verify steps as CUDA graphs (past padded to "
+                                          "64-row buckets); prefills run eagerly")
     # Batch-1 gemv on shared cores is fastest single-threaded (see runtime/blas.py); 0 = numpy's default.
     blas_threads: int = limits(1, min=0, max=256, doc="numpy BLAS threads for the numpy backend and drafters")
 

@@ -56,7 +56,7 @@ def add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
     g.add_argument("--bundle", help=f"bundle directory, relative to the working directory (default: {DEFAULT_BUNDLE} "
                                     "under $EDGESPEC_ROOT, else under the edgespec source tree; built by "
                                     "`make bundles`)")
-    g.add_argument("--backend", choices=["auto", "numpy_ref", "onnx"],
+    g.add_argument("--backend", choices=["auto", "numpy_ref", "onnx", "tensorrt"],
                    help="backend to run the target on (default auto: onnx where onnxruntime is installed and the "
                         "bundle has ONNX graphs, else numpy_ref, the exact but slow oracle)")
     if drafter:

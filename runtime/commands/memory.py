@@ -37,7 +37,7 @@ def register(sub) -> None:
     src.add_argument("--config", help="the target's HF config.json (e.g. configs/models/qwen3-1.7b.json)")
     plan.add_argument("--drafter-config", help="a drafter's HF config.json (a draft model or an EAGLE-3 head)")
     plan.add_argument("--drafter", help="with --bundle: the bundle drafter to plan (default: the bundle's)")
-    plan.add_argument("--backend", choices=["numpy_ref", "onnx"], default="onnx",
+    plan.add_argument("--backend", choices=["numpy_ref", "onnx", "tensorrt"], default="onnx",
                       help="with --bundle: the backend it runs on (default onnx)")
     add_device_args(plan)
     plan.add_argument("--precision", choices=["fp16", "int8", "int4"], default="fp16",
@@ -54,7 +54,7 @@ def register(sub) -> None:
     plan.set_defaults(func=run_plan)
     prof = cmds.add_parser("profile", help="load a bundle, run a request at a context, compare the peak to the plan")
     prof.add_argument("--bundle", help="bundle directory (default: the zoo)")
-    prof.add_argument("--backend", choices=["auto", "numpy_ref", "onnx"], help="backend (default auto)")
+    prof.add_argument("--backend", choices=["auto", "numpy_ref", "onnx", "tensorrt"], help="backend (default auto)")
     prof.add_argument("--drafter", help="drafter (default: the bundle's)")
     prof.add_argument("--context", type=int, default=1024, help="positions: the prompt fills them but --max-tokens")
     prof.add_argument("--max-tokens", type=int, default=32, help="tokens generated after the prompt (default 32)")
