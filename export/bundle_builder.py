@@ -25,13 +25,38 @@ from runtime.tensors import safetensors_dtypes, write_safetensors
 MTP_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
 
+# Prefixes of the other MTP layouts (runtime/drafters/mtp.py MTP_LAYOUTS), with the pattern numbering their modules.
+MTP_PREFIXES = (("mtp.", "qwen3_next", re.compile(r"^mtp\.layers\.(\d+)\.")),
+                ("model.mtp_layers.", "mimo", re.compile(r"^model\.mtp_layers\.(\d+)\.")))
+
+
 def split_mtp(weights: Dict[str, np.ndarray], num_layers: int):
-    """DeepSeek-V3 style MTP modules live at model.layers.{N+k}: split them from the target's weights."""
+    """Split MTP modules from the target's weights: DeepSeek-V3 puts them at model.layers.{N+k}, Qwen3-Next
+    under mtp.*, MiMo under model.mtp_layers.*."""
     body, mtp = {}, {}
     for name, w in weights.items():
         m = MTP_KEY.match(name)
-        (mtp if m and int(m.group(1)) >= num_layers else body)[name] = w
+        is_mtp = (m and int(m.group(1)) >= num_layers) or any(name.startswith(p) for p, _, _ in MTP_PREFIXES)
+        (mtp if is_mtp else body)[name] = w
     return body, mtp
+
+
+def mtp_layout(mtp: Dict[str, np.ndarray], num_layers: int):
+    """(layout name, number of modules) of the MTP weights `split_mtp` found. Raises BundleError on a mix."""
+    found = {}
+    for name in mtp:
+        for prefix, layout, numbered in MTP_PREFIXES:
+            if name.startswith(prefix):
+                m = numbered.match(name)
+                found.setdefault(layout, set()).update([int(m.group(1))] if m else [])
+                break
+        else:
+            found.setdefault("deepseek_v3", set()).add(int(MTP_KEY.match(name).group(1)) - num_layers)
+    if len(found) != 1:
+        raise BundleError(f"the checkpoint mixes MTP layouts {sorted(found)}; expected one of deepseek_v3 "
+                          "(model.layers.N+k), qwen3_next (mtp.*), mimo (model.mtp_layers.*)")
+    (layout, modules), = found.items()
+    return layout, max(1, len(modules))
 
 
 def _inside(path: str, root: str) -> bool:
@@ -134,11 +159,10 @@ def _write_bundle(target_dir: str, out: str, draft_dir: Optional[str], name: str
     w.set_tokenizer("tokenizer.json")
     w.add_drafter("ngram", "ngram", params={"max_n": 3, "min_n": 1})
     if mtp:
-        modules = sorted({int(MTP_KEY.match(k).group(1)) for k in mtp})
+        layout, modules = mtp_layout(mtp, spec.num_layers)
         write_safetensors(w.path("mtp/mtp.safetensors"), mtp, bf16=[n for n in bf16 if n in mtp])
         w.add_drafter("mtp", "mtp", files=["mtp/mtp.safetensors"],
-                      params={"num_modules": len(modules), "first_layer_index": spec.num_layers,
-                              "layout": "deepseek_v3"},
+                      params={"num_modules": modules, "first_layer_index": spec.num_layers, "layout": layout},
                       target_taps=[f"layer_out.{spec.num_layers - 1}"])
     if medusa:
         from export.drafters.medusa import add_medusa_to_bundle

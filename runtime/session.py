@@ -121,7 +121,8 @@ def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max
         head = embed if spec.tie_word_embeddings else np.ascontiguousarray(target_w["lm_head.weight"], np.float32)
         cache = arena.allocate("mtp", mtp_cache_shape(spec), max_positions + num_tokens)
         return MTPDrafter(spec, weights, embed, head, cache, num_tokens=num_tokens,
-                          layer_index=int(entry.params.get("first_layer_index", spec.num_layers)))
+                          layer_index=int(entry.params.get("first_layer_index", spec.num_layers)),
+                          layout=str(entry.params.get("layout", "deepseek_v3")))
     if entry.kind == "medusa":
         spec = bundle.target.spec
         return MedusaDrafter(load_weights(bundle, entry.files), tree=entry.params.get("tree", "chain"),
