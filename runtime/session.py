@@ -23,7 +23,7 @@ from runtime.bundle import BackendFiles
 from runtime.config import BackendConfig, RuntimeConfig
 from runtime.drafters.base import Drafter
 from runtime.drafters.draft_model import DraftModelDrafter
-from runtime.drafters.medusa import MedusaDrafter
+from runtime.drafters.medusa import MedusaDrafter, resolve_tree
 from runtime.drafters.mtp import MTPDrafter, mtp_cache_shape
 from runtime.drafters.ngram import NgramDrafter
 from runtime.engine import DecodeStats, Engine, StopCheck
@@ -175,8 +175,12 @@ class Session:
                                           f"{sorted(set(DRAFTER_CHOICES) | set(b.drafters))}")
         # The plan (runtime/memory.py) sizes the arena; an over-budget session is refused before any allocation.
         shapes = memory.bundle_cache_shapes(b, name)
-        self.plan_inputs = memory.bundle_inputs(b, name, backend.kind,
-                                                config.drafter.num_tokens * config.drafter.branching + 1)
+        tree_tokens = config.drafter.num_tokens * config.drafter.branching + 1
+        entry = b.drafters.get(name)
+        if entry is not None and entry.kind == "medusa":  # a static tree: its size is the bundle's, not the flags'
+            depth = min(config.drafter.num_tokens, int(entry.params.get("num_heads", config.drafter.num_tokens)))
+            tree_tokens = len(resolve_tree(entry.params.get("tree", "chain"), depth)) + 1
+        self.plan_inputs = memory.bundle_inputs(b, name, backend.kind, tree_tokens)
         positions = config.memory.max_context
         self.budget_bytes = int(config.memory.budget_mb * 2**20)
         if self.budget_bytes > 0:
