@@ -9,7 +9,8 @@ from runtime.errors import ConfigError
 HELP = """Build a bundle from HF model directories (config.json + safetensors; Llama, Qwen2 or Qwen3).
 
 The target's MTP module (DeepSeek-V3 keys at model.layers.N) becomes the bundle's `mtp` drafter, a
---draft directory becomes its `draft_model` drafter, and the n-gram drafter is always there.
+--draft directory becomes its `draft_model` drafter, --medusa heads its `medusa` (tree) and `medusa_chain`
+drafters, and the n-gram drafter is always there.
 
 The bundle carries the model's prompt format: its chat template (tokenizer_config.json or
 chat_template.jinja), its special tokens and every EOS token (tokenizer_config.json, generation_config.json,
@@ -17,7 +18,7 @@ config.json), and edgespec's task templates (planner, action, text). A model wit
 edgespec's chat planner; the files below replace any part of it (README, "Your own model").
 
 examples:
-  edgespec bundle --target zoo/target --draft zoo/draft --out build/bundles/zoo --backends numpy_ref,onnx
+  edgespec bundle --target zoo/target --draft zoo/draft --medusa zoo/medusa --out build/bundles/zoo --backends numpy_ref,onnx
   edgespec bundle --target ~/models/Qwen3-0.6B --out build/bundles/qwen3
   edgespec bundle --target ~/models/Qwen3-0.6B --out build/bundles/qwen3 --planner-template planner.yaml
 """
@@ -31,6 +32,10 @@ def register(sub) -> None:
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, metavar="DIR", help="HF directory of the target model")
     p.add_argument("--draft", metavar="DIR", help="HF directory of a separate draft model (same tokenizer)")
+    p.add_argument("--medusa", metavar="PATH",
+                   help="Medusa heads for the target: a Medusa-1 head file (medusa_lm_head.safetensors, or .pt read "
+                        "with weights_only), its directory, or a Medusa-2 checkpoint (heads under medusa_head.); "
+                        "adds the drafters medusa (a tree) and medusa_chain")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="bundle directory to write: new or empty (an existing bundle is replaced only with "
                         "--force; a directory holding anything else is refused); never an input or inside one")
@@ -68,7 +73,8 @@ def run(args) -> int:
     prompts = {"prompts_file": args.prompts, "chat_template_file": args.chat_template,
                "planner_file": args.planner_template, "action_file": args.action_template}
     out = build_bundle(args.target, args.out, args.draft, default_drafter=args.default_drafter, force=args.force,
-                       extend=add_backends, prompts={k: v for k, v in prompts.items() if v}, report=print)
+                       extend=add_backends, prompts={k: v for k, v in prompts.items() if v}, report=print,
+                       medusa=args.medusa)
     print(f"bundle: {out} ready ({', '.join(sorted(set(backends) | {'numpy_ref'}))}); tensor dtypes as stored:")
     for line in dtype_summary(out):
         print(f"  {line}")

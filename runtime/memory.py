@@ -420,6 +420,8 @@ def bundle_inputs(bundle, drafter: str, backend: str, tree_tokens: int) -> PlanI
         draft = dims_from_spec(entry.spec)
         d_files = entry.backends.get(backend) if backend != "numpy_ref" else None
         d_prec = d_files.params.get("precision", "fp32") if d_files is not None else "fp32"
+    elif entry is not None and entry.kind == "medusa":  # float32 numpy heads; no cache of their own
+        extra = 4 * sum(_safetensors_numel(bundle.path(f)) for f in entry.files if f.endswith(".safetensors"))
     elif entry is not None and entry.kind == "mtp":
         extra = 4 * sum(_safetensors_numel(bundle.path(f)) for f in entry.files if f.endswith(".safetensors"))
         if backend != "numpy_ref":

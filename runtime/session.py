@@ -24,6 +24,7 @@ from runtime.bundle import BackendFiles
 from runtime.config import BackendConfig, RuntimeConfig
 from runtime.drafters.base import Drafter
 from runtime.drafters.draft_model import DraftModelDrafter
+from runtime.drafters.medusa import MedusaDrafter, resolve_tree
 from runtime.drafters.mtp import MTPDrafter, mtp_cache_shape
 from runtime.drafters.ngram import NgramDrafter
 from runtime.engine import DecodeStats, Engine, StopCheck
@@ -124,7 +125,13 @@ def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max
         head = embed if spec.tie_word_embeddings else np.ascontiguousarray(target_w["lm_head.weight"], np.float32)
         cache = arena.allocate("mtp", mtp_cache_shape(spec), max_positions + num_tokens)
         return MTPDrafter(spec, weights, embed, head, cache, num_tokens=num_tokens,
-                          layer_index=int(entry.params.get("first_layer_index", spec.num_layers)))
+                          layer_index=int(entry.params.get("first_layer_index", spec.num_layers)),
+                          layout=str(entry.params.get("layout", "deepseek_v3")))
+    if entry.kind == "medusa":
+        spec = bundle.target.spec
+        return MedusaDrafter(load_weights(bundle, entry.files), tree=entry.params.get("tree", "chain"),
+                             num_tokens=num_tokens, source=f"{bundle.root}: drafters.{name}",
+                             hidden=spec.hidden_size, vocab=spec.vocab_size)
     raise BundleError(f"drafter kind {entry.kind!r} is not available in this runtime yet")
 
 
@@ -195,8 +202,12 @@ class Session:
                                           f"{sorted(set(DRAFTER_CHOICES) | set(b.drafters))}")
         # The plan (runtime/memory.py) sizes the arena; an over-budget session is refused before any allocation.
         shapes = memory.bundle_cache_shapes(b, name)
-        self.plan_inputs = memory.bundle_inputs(b, name, backend.kind,
-                                                config.drafter.num_tokens * config.drafter.branching + 1)
+        tree_tokens = config.drafter.num_tokens * config.drafter.branching + 1
+        entry = b.drafters.get(name)
+        if entry is not None and entry.kind == "medusa":  # a static tree: its size is the bundle's, not the flags'
+            depth = min(config.drafter.num_tokens, int(entry.params.get("num_heads", config.drafter.num_tokens)))
+            tree_tokens = len(resolve_tree(entry.params.get("tree", "chain"), depth)) + 1
+        self.plan_inputs = memory.bundle_inputs(b, name, backend.kind, tree_tokens)
         positions = config.memory.max_context
         self.budget_bytes = int(config.memory.budget_mb * 2**20)
         if self.budget_bytes > 0:

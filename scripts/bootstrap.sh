@@ -38,12 +38,13 @@ ros() {
 }
 
 bundles() {
-  local key; key=$(hash_of zoo/MANIFEST.yaml zoo/target/* zoo/draft/* export/bundle_builder.py runtime/bundle.py export/onnx.py)
+  local key; key=$(hash_of zoo/MANIFEST.yaml zoo/target/* zoo/draft/* zoo/medusa/* export/bundle_builder.py runtime/bundle.py export/onnx.py export/drafters/medusa.py)
   if [ ! -f zoo/MANIFEST.yaml ]; then echo "== bootstrap: no zoo/ in this checkout; skipping the bundle"; return; fi
   if stamp_ok bundles "$key" && [ -f build/bundles/zoo/bundle.yaml ]; then echo "== bootstrap: zoo bundle up to date"; return; fi
   step "building the zoo bundle (build/bundles/zoo) from zoo/"
   rm -rf build/bundles/zoo
-  "$VENV/bin/edgespec" bundle --target zoo/target --draft zoo/draft --out build/bundles/zoo --backends numpy_ref,onnx
+  local medusa=(); if [ -f zoo/medusa/medusa_lm_head.safetensors ]; then medusa=(--medusa zoo/medusa); fi
+  "$VENV/bin/edgespec" bundle --target zoo/target --draft zoo/draft "${medusa[@]}" --out build/bundles/zoo --backends numpy_ref,onnx
   stamp_set bundles "$key"
 }
 

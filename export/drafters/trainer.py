@@ -1,0 +1,320 @@
+"""The one drafter trainer: distillation on a frozen target, shared by every drafter kind.
+
+    rows of token ids  ->  frozen target (no grad): logits + the hidden taps the drafter reads  ->  TargetBatch
+                       ->  task(batch) -> loss  ->  AdamW step  ->  progress line / atomic checkpoint
+
+A drafter kind plugs in as a `DrafterTask`: an `nn.Module` whose `forward(batch)` returns the loss (and a
+few numbers to print), whose `taps` name the target hidden states it reads (runtime tap names:
+"final_norm", "layer_out.i", "layer_in.i"), and whose `export(out_dir)` writes its weights in the kind's
+OFFICIAL file layout. The trainer owns everything else: data, the target forward, the optimiser and LR
+schedule, progress, checkpoints and resume, and data parallelism: under `torchrun --nproc-per-node N`
+(gloo on CPU) the task is wrapped in DistributedDataParallel and each process takes its share of every
+batch's rows, so a task never sees whether it runs alone or on N processes.
+
+Labels are the target's own predictions (its soft distribution), never the data's tokens: a drafter is
+judged by how often the target accepts it, so it learns the target, mistakes included.
+
+Batch i is a pure function of (seed, i), and a checkpoint holds the task, the optimiser and the step:
+`--resume` continues exactly where a run stopped. Checkpoints are written to a temporary file and renamed.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from export.drafters.data import DOMAINS
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 600  # stop at this many optimiser steps ...
+    budget_s: float = 600.0  # ... or after this much training time, whichever comes first
+    lr: float = 1e-3
+    warmup: int = 20
+    weight_decay: float = 0.0
+    batch: int = 8  # rows per step (all processes together)
+    seq_len: int = 256
+    seed: int = 7
+    token_mix: Tuple[float, ...] = (0.65, 0.25, 0.10)  # planner, action, text share of trained tokens
+    n_planner: int = 20000
+    n_action: int = 8000
+    n_text: int = 3000
+    checkpoint_every_s: float = 60.0
+    log_every: int = 10
+    threads: int = 2
+
+
+@dataclass
+class TargetBatch:
+    """What a drafter task trains on: one packed batch seen by the frozen target."""
+    ids: torch.Tensor  # (B, T) int64 input tokens
+    positions: torch.Tensor  # (B, T) rotary positions (restart at 0 at each document)
+    attn_mask: torch.Tensor  # (B, 1, T, T) bool "may attend" (block-diagonal causal)
+    doc: torch.Tensor  # (B, T) document index per position; positions i, j share a document iff equal (pad: -1)
+    logits: torch.Tensor  # (B, T, V) float32: the target's next-token logits at each position
+    taps: Dict[str, torch.Tensor]  # name -> (B, T, H) float32 target hidden states
+    embed: torch.Tensor  # (V, H) the target's input embedding (frozen)
+    head: torch.Tensor  # (V, H) the target's LM head (frozen; the embedding when tied)
+
+    def same_doc(self, shift: int) -> torch.Tensor:
+        """(B, T) bool: position t and position t + shift exist and lie in one document (False past the end)."""
+        B, T = self.doc.shape
+        ok = torch.zeros(B, T, dtype=torch.bool)
+        if shift < T:
+            a, b = self.doc[:, :T - shift], self.doc[:, shift:]
+            ok[:, :T - shift] = (a == b) & (a >= 0)
+        return ok
+
+
+class DrafterTask(nn.Module):
+    """The interface a drafter kind implements (see the module docstring)."""
+    kind: str = "base"
+    taps: Tuple[str, ...] = ()
+
+    def forward(self, batch: TargetBatch) -> Tuple[torch.Tensor, Dict[str, float]]:
+        """-> (scalar loss, {name: number} to print). For data parallelism to average exactly, normalise the
+        loss by the batch's number of positions (B*T), not by a count that differs between processes."""
+        raise NotImplementedError
+
+    def export(self, out_dir: str) -> List[str]:
+        """Write the trained weights in the kind's official layout; returns the files written."""
+        raise NotImplementedError
+
+
+def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """(n, V), (n, V) -> (n,) KL(p_target || q) per row: what a drafter minimises to match the target."""
+    logq = F.log_softmax(logits.float(), -1)
+    logp = F.log_softmax(target_logits.float(), -1)
+    return (logp.exp() * (logp - logq)).sum(-1)
+
+
+# ---- data ---------------------------------------------------------------------------------------------------------
+
+class RowSampler:
+    """Packs examples into full rows of seq_len tokens (the last example cut at the row's end); batch i is a
+    pure function of (seed, i), so every process and every resumed run sees the same batch i."""
+
+    def __init__(self, data: Dict[str, list], cfg: TrainConfig):
+        names = [d for d in DOMAINS if data.get(f"{d}_train")]
+        self.pools = [data[f"{d}_train"] for d in names]
+        mix = np.array([cfg.token_mix[DOMAINS.index(d)] for d in names])
+        w = mix / np.array([np.mean([len(x) for x in p]) for p in self.pools])  # example odds giving the token mix
+        self.p = w / w.sum()
+        self.cfg = cfg
+
+    def batch(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """-> ids (B, T), doc (B, T) (document index within the row)."""
+        rng = np.random.default_rng([self.cfg.seed, i])
+        B, T = self.cfg.batch, self.cfg.seq_len
+        ids = np.zeros((B, T), np.int64)
+        doc = np.full((B, T), -1, np.int64)
+        for b in range(B):
+            pos, n = 0, 0
+            while pos < T:
+                d = rng.choice(len(self.pools), p=self.p)
+                x = self.pools[d][rng.integers(len(self.pools[d]))][:T - pos]
+                ids[b, pos:pos + len(x)] = x
+                doc[b, pos:pos + len(x)] = n
+                pos += len(x)
+                n += 1
+        return torch.from_numpy(ids), torch.from_numpy(doc)
+
+
+def packed_layout(doc: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """doc (B, T) -> positions (B, T) restarting at each document, mask (B, 1, T, T) block-diagonal causal."""
+    B, T = doc.shape
+    d = doc.clone()
+    d[d < 0] = 10_000
+    mask = ((d[:, :, None] == d[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril())[:, None]
+    start = torch.ones_like(d, dtype=torch.bool)
+    start[:, 1:] = d[:, 1:] != d[:, :-1]
+    idx = torch.arange(T).expand(B, T)
+    first = torch.cummax(torch.where(start, idx, torch.zeros_like(idx)), dim=1).values
+    return idx - first, mask
+
+
+@torch.no_grad()
+def target_batch(target, ids: torch.Tensor, doc: torch.Tensor, taps: Sequence[str]) -> TargetBatch:
+    """Run the frozen zoo target (export.zoo.model.LlamaLM) on packed rows, keeping the requested taps."""
+    from export.zoo.model import rope_cos_sin
+
+    positions, mask = packed_layout(doc)
+    cos, sin = rope_cos_sin(target.cfg, positions)
+    got: Dict[str, torch.Tensor] = {}
+    # float32: on CPUs without native bf16 an autocast forward measured 5x slower (14.6 s vs 2.3 s a batch)
+    x = target.embed_tokens(ids)
+    for i, layer in enumerate(target.layers):
+        if f"layer_in.{i}" in taps:
+            got[f"layer_in.{i}"] = x
+        x = layer(x, cos, sin, mask)
+        if f"layer_out.{i}" in taps:
+            got[f"layer_out.{i}"] = x
+    h = target.norm(x)
+    logits = target.head(h)
+    if "final_norm" in taps:
+        got["final_norm"] = h.float()
+    head = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+    return TargetBatch(ids, positions, mask, doc, logits.float(), got, target.embed_tokens.weight, head)
+
+
+# ---- the loop -----------------------------------------------------------------------------------------------------
+
+@dataclass
+class Dist:
+    """This process's place in a torchrun job (world 1 when run plainly)."""
+    rank: int = 0
+    world: int = 1
+
+    @classmethod
+    def from_env(cls) -> "Dist":
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return cls()
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        return cls(dist.get_rank(), world)
+
+    def mean(self, value: float) -> float:
+        if self.world == 1:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t.item()) / self.world
+
+
+def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
+    """Linear warmup over `warmup` steps, then cosine from peak to peak/10 as progress goes 0 -> 1."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def save_checkpoint(path: str, **state) -> None:
+    """torch.save to a temporary file beside `path`, then rename: a crash never leaves half a checkpoint."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        torch.save(state, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    seconds: float
+    losses: List[float] = field(default_factory=list)  # loss of every step run by this call (all processes' mean)
+    last: Dict[str, float] = field(default_factory=dict)  # the last progress numbers
+
+
+def train(task: DrafterTask, target, data: Dict[str, list], cfg: TrainConfig, work: str, resume: bool = False,
+          log: Callable[[str], None] = print, pause_at: Optional[int] = None) -> TrainResult:
+    """Distil `task` from the frozen `target` until cfg.steps or cfg.budget_s; checkpoints in work/ckpt.pt.
+    `pause_at`: stop after that step as an interrupted run would (checkpoint written, schedule unchanged)."""
+    dist = Dist.from_env()
+    if cfg.batch % dist.world:
+        raise ValueError(f"batch {cfg.batch} rows cannot be split evenly over {dist.world} processes")
+    torch.set_num_threads(max(1, cfg.threads // dist.world))
+    say = log if dist.rank == 0 else (lambda _msg: None)
+    target.eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    model = task
+    if dist.world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(task)
+    params = [p for p in task.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    ckpt = os.path.join(work, "ckpt.pt")
+    os.makedirs(work, exist_ok=True)
+    start, elapsed = 0, 0.0
+    if resume and os.path.exists(ckpt):
+        st = torch.load(ckpt, weights_only=True)  # our own file; plain tensors and numbers only
+        if st.get("kind") != task.kind or _same_run(st.get("config")) != _same_run(_plain(cfg)):
+            raise ValueError(f"{ckpt}: a checkpoint of another run ({st.get('kind')}, {st.get('config')}); "
+                             "resume with the same settings or start afresh without --resume")
+        task.load_state_dict(st["task"])
+        opt.load_state_dict(st["opt"])
+        start, elapsed = int(st["step"]), float(st["elapsed"])
+        say(f"{task.kind}: resumed at step {start} ({elapsed / 60:.1f} min already trained)")
+    rows = RowSampler(data, cfg)
+    mine = slice(dist.rank, cfg.batch, dist.world)
+    result = TrainResult(start, elapsed)
+    task.train()
+    t0, t_ckpt, tokens = time.time(), time.time(), 0
+    step = start
+    finished = step >= cfg.steps or elapsed >= cfg.budget_s
+    while not finished:
+        progress = max(step / cfg.steps, (elapsed + time.time() - t0) / cfg.budget_s)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, progress, cfg.lr, cfg.warmup)
+        ids, doc = rows.batch(step)
+        batch = target_batch(target, ids[mine], doc[mine], task.taps)
+        loss, numbers = model(batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        tokens += int((doc >= 0).sum())
+        step += 1
+        now = time.time()
+        # the stop decision must be the same in every process: rank 0's clock decides
+        spent = elapsed + now - t0
+        finished = step >= cfg.steps or _agree(dist, spent >= cfg.budget_s)
+        paused = pause_at is not None and step >= pause_at
+        mean_loss = dist.mean(float(loss.item()))
+        result.losses.append(mean_loss)
+        if step % cfg.log_every == 0 or finished or step == start + 1:
+            numbers = {k: dist.mean(v) for k, v in numbers.items()}
+            result.last = {"loss": mean_loss, **numbers}
+            eta = min((now - t0) / (step - start) * (cfg.steps - step), cfg.budget_s - spent)
+            say(f"{task.kind} step {step}/{cfg.steps} loss {mean_loss:.4f} "
+                + " ".join(f"{k} {v:.3f}" for k, v in numbers.items())
+                + f" lr {opt.param_groups[0]['lr']:.2e} {tokens / (now - t0):.0f} tok/s "
+                  f"elapsed {spent / 60:.1f} min ETA {max(eta, 0) / 60:.1f} min")
+        if dist.rank == 0 and (now - t_ckpt > cfg.checkpoint_every_s or finished or paused):
+            save_checkpoint(ckpt, kind=task.kind, config=_plain(cfg), task=task.state_dict(), opt=opt.state_dict(),
+                            step=step, elapsed=spent)
+            t_ckpt = now
+        if paused:
+            break
+    result.steps, result.seconds = step, elapsed + time.time() - t0
+    task.eval()
+    return result
+
+
+def _agree(dist: Dist, flag: bool) -> bool:
+    if dist.world == 1:
+        return flag
+    import torch.distributed as tdist
+
+    t = torch.tensor([1 if flag else 0])
+    tdist.broadcast(t, 0)
+    return bool(t.item())
+
+
+def _same_run(config) -> Dict[str, object]:
+    """What must match to resume: everything but the stopping point and the bookkeeping."""
+    skip = ("steps", "budget_s", "checkpoint_every_s", "log_every", "threads")
+    return {k: v for k, v in (config or {}).items() if k not in skip}
+
+
+def _plain(cfg: TrainConfig) -> Dict[str, object]:
+    """The config as plain data (stored in checkpoints; lists, not tuples, so that weights_only loads it)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()}
