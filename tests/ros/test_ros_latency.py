@@ -50,8 +50,9 @@ def test_latency_tool_short_mode_measures_both_nodes_in_every_scenario(tiny_bund
         for m in METRICS:
             assert set(row[m]) == {"p50", "p90", "p99", "max"}, (m, row)
     for c in got["calls"]:
-        if c["success"]:
-            assert c["rtt_s"] > 0 and c["gen_s"] > 0 and c["ttft_s"] <= c["gen_s"]
+        if c["success"]:  # (a request whose deadline passed while queued is answered with nothing generated)
+            assert c["rtt_s"] > 0 and (c["gen_s"] > 0 or c["finish_reason"] == "deadline")
+            assert c["ttft_s"] <= c["gen_s"]
             assert c["overhead_s"] == pytest.approx(c["rtt_s"] - c["queue_s"] - c["gen_s"])
             assert c["missed"] == (c["rtt_s"] > SCENARIOS[c["scenario"]].period_s or c["finish_reason"] == "deadline")
         else:

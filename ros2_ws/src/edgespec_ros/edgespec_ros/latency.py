@@ -6,8 +6,8 @@
 Each scenario calls one service at a fixed rate for a fixed duration, sending on schedule whether or not
 the last answer is back (a control loop does not wait), with `deadline_s` = the period:
 
-    actions@5Hz, actions@10Hz   ~/action_tokens, one 8x7 chunk (56 tokens)
-    plan@1Hz                    ~/plan, up to 128 tokens
+    actions@5Hz, actions@10Hz   ~/action_tokens, one 8x7 chunk (56 tokens), the observation moving each call
+    plan@1Hz                    ~/plan, up to 128 tokens, the same task with a new observation each call
     probe@10Hz                  ~/plan with max_tokens 1: the ROS/node overhead of a 1-token request
 
 Per call, on the client's monotonic clock and from the response's stats:
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import random
 import subprocess
@@ -98,15 +99,23 @@ def summarize(calls: Sequence[Call], period_s: float) -> Dict[str, object]:
     return out
 
 
+def observation(index: int) -> List[float]:
+    """The robot moves between calls: the end effector drifts a few centimetres (a new observation each call,
+    so an action request shares only its instruction with the last one, as in a real control loop)."""
+    drift = [0.02 * math.sin(0.3 * index), 0.02 * math.cos(0.3 * index), 0.01 * math.sin(0.7 * index)]
+    return [round(a + d, 3) for a, d in zip(ACTION_OBSERVATION, drift)] + ACTION_OBSERVATION[3:]
+
+
 def _request(scenario: Scenario, index: int):
     from edgespec_interfaces.srv import ActionTokens, Plan
 
     # seed = the call's index: ignored by greedy decoding, it names the call in the node's log
     if scenario.service == "action_tokens":
-        return ActionTokens.Request(instruction=ACTION_INSTRUCTION, observation=ACTION_OBSERVATION, num_actions=8,
+        return ActionTokens.Request(instruction=ACTION_INSTRUCTION, observation=observation(index), num_actions=8,
                                     temperature=0.0, seed=index, deadline_s=scenario.period_s)
-    return Plan.Request(instruction=PLAN_INSTRUCTION, max_tokens=scenario.max_tokens, temperature=0.0, seed=index,
-                        deadline_s=scenario.period_s)
+    # replanning the same task as the scene changes: the observation text follows the instruction
+    return Plan.Request(instruction=PLAN_INSTRUCTION, observation=f"cup seen {0.5 + 0.01 * (index % 50):.2f} m ahead",
+                        max_tokens=scenario.max_tokens, temperature=0.0, seed=index, deadline_s=scenario.period_s)
 
 
 def run_scenario(executor, client, scenario: Scenario, duration_s: float, answer_timeout_s: float = 30.0) -> List[Call]:
