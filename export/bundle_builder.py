@@ -1,5 +1,6 @@
 """Write a runtime bundle from HF checkpoints: the target (+ its MTP module if it has one), an optional
-separate draft model, optional Medusa heads (`medusa` tree + `medusa_chain` drafters over one file), the n-gram drafter (no files), the tokenizer and the generation defaults.
+separate draft model, optional Medusa heads (`medusa` tree + `medusa_chain` drafters over one file), the n-gram
+drafter (no files), the tokenizer, the prompt format (export/prompts.py) and the generation defaults.
 
 Nothing we did not write is ever deleted. The output directory must be new, empty, or an edgespec
 bundle holding only the files its manifest lists (replaced only with force=True); it may not be, hold
@@ -18,20 +19,47 @@ import numpy as np
 import yaml
 
 from export.hf_reader import read_hf_checkpoint
+from export.prompts import bundle_prompts
 from runtime.bundle import MANIFEST, BundleWriter
 from runtime.errors import BundleError
 from runtime.tensors import safetensors_dtypes, write_safetensors
+from runtime.tokenizer import Tokenizer
 
 MTP_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
 
+# Prefixes of the other MTP layouts (runtime/drafters/mtp.py MTP_LAYOUTS), with the pattern numbering their modules.
+MTP_PREFIXES = (("mtp.", "qwen3_next", re.compile(r"^mtp\.layers\.(\d+)\.")),
+                ("model.mtp_layers.", "mimo", re.compile(r"^model\.mtp_layers\.(\d+)\.")))
+
+
 def split_mtp(weights: Dict[str, np.ndarray], num_layers: int):
-    """DeepSeek-V3 style MTP modules live at model.layers.{N+k}: split them from the target's weights."""
+    """Split MTP modules from the target's weights: DeepSeek-V3 puts them at model.layers.{N+k}, Qwen3-Next
+    under mtp.*, MiMo under model.mtp_layers.*."""
     body, mtp = {}, {}
     for name, w in weights.items():
         m = MTP_KEY.match(name)
-        (mtp if m and int(m.group(1)) >= num_layers else body)[name] = w
+        is_mtp = (m and int(m.group(1)) >= num_layers) or any(name.startswith(p) for p, _, _ in MTP_PREFIXES)
+        (mtp if is_mtp else body)[name] = w
     return body, mtp
+
+
+def mtp_layout(mtp: Dict[str, np.ndarray], num_layers: int):
+    """(layout name, number of modules) of the MTP weights `split_mtp` found. Raises BundleError on a mix."""
+    found = {}
+    for name in mtp:
+        for prefix, layout, numbered in MTP_PREFIXES:
+            if name.startswith(prefix):
+                m = numbered.match(name)
+                found.setdefault(layout, set()).update([int(m.group(1))] if m else [])
+                break
+        else:
+            found.setdefault("deepseek_v3", set()).add(int(MTP_KEY.match(name).group(1)) - num_layers)
+    if len(found) != 1:
+        raise BundleError(f"the checkpoint mixes MTP layouts {sorted(found)}; expected one of deepseek_v3 "
+                          "(model.layers.N+k), qwen3_next (mtp.*), mimo (model.mtp_layers.*)")
+    (layout, modules), = found.items()
+    return layout, max(1, len(modules))
 
 
 def _inside(path: str, root: str) -> bool:
@@ -98,16 +126,21 @@ def _publish(staged: str, out: str) -> None:
 
 def build_bundle(target_dir: str, out: str, draft_dir: Optional[str] = None, name: Optional[str] = None,
                  default_drafter: Optional[str] = None, force: bool = False,
-                 extend: Optional[Callable[[str], None]] = None, medusa: Optional[str] = None) -> str:
+                 extend: Optional[Callable[[str], None]] = None, prompts: Optional[Dict[str, str]] = None,
+                 report: Callable[[str], None] = lambda note: None, medusa: Optional[str] = None) -> str:
     """Write `out` as a numpy_ref bundle; `extend(staged_dir)` may add other backends' files before the
-    bundle is renamed into place. Returns `out`. Refuses outputs per `check_output`."""
-    check_output(out, [d for d in (target_dir, draft_dir, medusa) if d], force)
+    bundle is renamed into place. `prompts`: the user's prompt files (keyword arguments of
+    export.prompts.bundle_prompts: prompts_file, chat_template_file, planner_file, action_file); `report`
+    receives a line saying where the prompt format came from; `medusa`: official Medusa heads to add. Returns
+    `out`. Refuses outputs per `check_output`."""
+    inputs = [d for d in (target_dir, draft_dir, medusa) if d] + [f for f in (prompts or {}).values() if f]
+    check_output(out, inputs, force)
     name = name or os.path.basename(os.path.normpath(os.path.abspath(out)))
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     staged = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.partial-", dir=parent)
     try:
-        _write_bundle(target_dir, staged, draft_dir, name, default_drafter, medusa)
+        _write_bundle(target_dir, staged, draft_dir, name, default_drafter, prompts or {}, report, medusa)
         if extend is not None:
             extend(staged)
         os.chmod(staged, 0o755)  # mkdtemp makes it private; a bundle is read by other users (the ROS node)
@@ -119,11 +152,16 @@ def build_bundle(target_dir: str, out: str, draft_dir: Optional[str] = None, nam
 
 
 def _write_bundle(target_dir: str, out: str, draft_dir: Optional[str], name: str,
-                  default_drafter: Optional[str], medusa: Optional[str] = None) -> None:
+                  default_drafter: Optional[str], prompts: Dict[str, str], report: Callable[[str], None],
+                  medusa: Optional[str] = None) -> None:
     target = read_hf_checkpoint(target_dir)
     if target.tokenizer_file is None:
         raise BundleError(f"{target_dir}: no tokenizer.json; the bundle needs the tokenizer the model was trained with")
+    fmt, notes = bundle_prompts(target_dir, Tokenizer(target.tokenizer_file), **prompts)  # before the big writes
+    for note in notes:
+        report(f"prompts: {note}")
     w = BundleWriter(out, name)
+    w.set_prompts(fmt)
     spec = target.spec
     body, mtp = split_mtp(target.weights, spec.num_layers)
     w.set_target(spec)
@@ -134,11 +172,10 @@ def _write_bundle(target_dir: str, out: str, draft_dir: Optional[str], name: str
     w.set_tokenizer("tokenizer.json")
     w.add_drafter("ngram", "ngram", params={"max_n": 3, "min_n": 1})
     if mtp:
-        modules = sorted({int(MTP_KEY.match(k).group(1)) for k in mtp})
+        layout, modules = mtp_layout(mtp, spec.num_layers)
         write_safetensors(w.path("mtp/mtp.safetensors"), mtp, bf16=[n for n in bf16 if n in mtp])
         w.add_drafter("mtp", "mtp", files=["mtp/mtp.safetensors"],
-                      params={"num_modules": len(modules), "first_layer_index": spec.num_layers,
-                              "layout": "deepseek_v3"},
+                      params={"num_modules": modules, "first_layer_index": spec.num_layers, "layout": layout},
                       target_taps=[f"layer_out.{spec.num_layers - 1}"])
     if medusa:
         from export.drafters.medusa import add_medusa_to_bundle

@@ -13,9 +13,15 @@ The target's MTP module (DeepSeek-V3 keys at model.layers.N) becomes the bundle'
 drafters, --eagle an EAGLE-1 head its `eagle` (chain) and `eagle2` (EAGLE-2 dynamic tree) drafters, --eagle3 an
 EAGLE-3 head its `eagle3` (dynamic tree) and `eagle3_chain` drafters, and the n-gram drafter is always there.
 
+The bundle carries the model's prompt format: its chat template (tokenizer_config.json or
+chat_template.jinja), its special tokens and every EOS token (tokenizer_config.json, generation_config.json,
+config.json), and edgespec's task templates (planner, action, text). A model with a chat template gets
+edgespec's chat planner; the files below replace any part of it (README, "Your own model").
+
 examples:
   edgespec bundle --target zoo/target --draft zoo/draft --medusa zoo/medusa --out build/bundles/zoo --backends numpy_ref,onnx
   edgespec bundle --target ~/models/Qwen3-0.6B --out build/bundles/qwen3
+  edgespec bundle --target ~/models/Qwen3-0.6B --out build/bundles/qwen3 --planner-template planner.yaml
 """
 
 
@@ -40,6 +46,14 @@ def register(sub) -> None:
     p.add_argument("--force", action="store_true", help="replace the edgespec bundle already at --out")
     p.add_argument("--backends", default="numpy_ref", help="comma-separated: numpy_ref (always), onnx")
     p.add_argument("--default-drafter", help="drafter used when a request names none (default: draft_model if given)")
+    g = p.add_argument_group("prompt format (default: the model's chat template and edgespec's task templates)")
+    g.add_argument("--prompts", metavar="FILE", help="YAML with a `prompts:` section: planner / action / text "
+                   "templates, eos_tokens (added to the model's), special_tokens, chat_template_kwargs")
+    g.add_argument("--chat-template", metavar="FILE", help="Jinja chat template to use instead of the model's")
+    g.add_argument("--planner-template", metavar="FILE", help="YAML planner template: {raw: TEXT} (the whole "
+                   "prompt) or {system: TEXT, user: TEXT} (chat messages); may use {{ instruction }}, {{ context }}")
+    g.add_argument("--action-template", metavar="FILE", help="YAML action template, as --planner-template; may use "
+                   "{{ instruction }}, {{ observation }}")
     p.set_defaults(func=run)
 
 
@@ -67,8 +81,11 @@ def run(args) -> int:
             files = add_onnx_to_bundle(staged, "fp32", None, validate=True)
             print(f"bundle: added {', '.join(files)} in {time.perf_counter() - t1:.1f} s")
 
+    prompts = {"prompts_file": args.prompts, "chat_template_file": args.chat_template,
+               "planner_file": args.planner_template, "action_file": args.action_template}
     out = build_bundle(args.target, args.out, args.draft, default_drafter=args.default_drafter, force=args.force,
-                       extend=add_backends, medusa=args.medusa)
+                       extend=add_backends, prompts={k: v for k, v in prompts.items() if v}, report=print,
+                       medusa=args.medusa)
     print(f"bundle: {out} ready ({', '.join(sorted(set(backends) | {'numpy_ref'}))}); tensor dtypes as stored:")
     for line in dtype_summary(out):
         print(f"  {line}")

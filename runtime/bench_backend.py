@@ -52,6 +52,14 @@ def open_target(b: bundle_mod.Bundle, backend: str, positions: int, threads: int
         cache = KVArena.for_context({"target": cache_shape(spec)}, positions, dtype).allocate("target", cache_shape(spec), positions)
         model = next(f for f in files.files if f.endswith(".onnx"))
         return OnnxTarget(spec, b.path(model), cache, threads=threads, tap_names=files.params.get("taps", ()))
+    if backend == "tensorrt":
+        from runtime.backends.factory import open_model
+        from runtime.config import BackendConfig
+
+        files = b.target_files("tensorrt")
+        dtype = np.float16 if files.params.get("precision") == "fp16" else np.float32
+        cache = KVArena.for_context({"target": cache_shape(spec)}, positions, dtype).allocate("target", cache_shape(spec), positions)
+        return open_model(b, spec, files, BackendConfig(kind="tensorrt"), cache)
     weights = {}
     for rel in b.target_files("numpy_ref").files:
         if rel.endswith(".safetensors"):
@@ -150,7 +158,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m runtime.bench_backend", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bundle", required=True, help="bundle directory (e.g. build/bundles/zoo)")
-    ap.add_argument("--backend", default="onnx", choices=("onnx", "numpy_ref"))
+    ap.add_argument("--backend", default="onnx", choices=("onnx", "numpy_ref", "tensorrt"))
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = core count)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[64, 512, 2048])
     ap.add_argument("--new-tokens", type=int, nargs="+", default=[1, 4, 8, 16])

@@ -11,7 +11,7 @@ import hashlib
 import os
 import re
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Optional, Tuple
 
 import yaml
@@ -19,14 +19,18 @@ import yaml
 from runtime.errors import REBUILD_BUNDLE as REBUILD
 from runtime.errors import BundleError
 from runtime.model_spec import ModelSpec
+from runtime.templates import PromptFormat
 from runtime.tensors import safetensors_dtypes
 
 FORMAT_VERSION = 1
 MANIFEST = "bundle.yaml"
-DATA_SUFFIXES = (".safetensors", ".onnx", ".onnx.data", ".gguf", ".engine", ".plan", ".json", ".yaml", ".txt")
-EXPORTABLE = ("onnx",)  # backends `edgespec export --to` writes
+# .engine: TensorRT engines; .cache: TensorRT's timing cache (kernel timings, reused by the next build on a device)
+DATA_SUFFIXES = (".safetensors", ".onnx", ".onnx.data", ".gguf", ".engine", ".cache", ".plan", ".json", ".yaml", ".txt",
+                 ".jinja")
+EXPORTABLE = ("onnx", "tensorrt")  # backends `edgespec export --to` writes
 # Keys a manifest may have, per level: anything else is a typo or a newer format, refused by name.
-MANIFEST_KEYS = ("format_version", "name", "target", "drafters", "default_drafter", "tokenizer", "generation", "files")
+MANIFEST_KEYS = ("format_version", "name", "target", "drafters", "default_drafter", "tokenizer", "generation", "prompts",
+                 "files")
 TARGET_KEYS = ("spec", "backends")
 DRAFTER_KEYS = ("kind", "files", "params", "target_taps", "spec", "backends")
 BACKEND_KEYS = ("files", "params")
@@ -75,6 +79,8 @@ class Bundle:
     generation: Dict[str, Any]
     files: Dict[str, FileEntry]
     format_version: int = FORMAT_VERSION
+    prompts: Optional[PromptFormat] = None  # the model's prompt format; None: a bundle from before it was recorded
+    chat_template_file: Optional[str] = None  # relative path of the chat template, if the bundle has one
 
     def path(self, rel: str) -> str:
         return os.path.join(self.root, rel)
@@ -174,10 +180,14 @@ def load(path: str, verify_checksums: bool = True) -> Bundle:
                 backends=_backends(d.get("backends")))
         bundle = Bundle(root=path, name=str(m.get("name", os.path.basename(path))), target=target, drafters=drafters,
                         default_drafter=str(m.get("default_drafter", "none")), tokenizer=str(m["tokenizer"]),
-                        generation=dict(m.get("generation") or {}), files=files, format_version=version)
+                        generation=dict(m.get("generation") or {}), files=files, format_version=version,
+                        chat_template_file=_chat_file(m.get("prompts")))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise BundleError(f"{manifest}: malformed manifest ({exc!r}); {REBUILD}") from exc
     _check_files(bundle, verify_checksums)
+    if m.get("prompts") is not None:  # read after the checksums: the chat template is one of the files
+        bundle = replace(bundle, prompts=PromptFormat.from_dict(m["prompts"], f"{manifest}: prompts",
+                                                                lambda rel: _read_text(bundle, rel)))
     _check_layers(bundle, manifest)
     return bundle
 
@@ -200,8 +210,22 @@ def _check_layers(bundle: Bundle, manifest: str) -> None:
                               f"{held}; the manifest does not describe its files ({REBUILD})")
 
 
+def _chat_file(prompts: Any) -> Optional[str]:
+    """The chat template's file name, when the prompts section names one (from_dict checks the rest)."""
+    rel = prompts.get("chat_template") if isinstance(prompts, dict) else None
+    return rel if isinstance(rel, str) and rel else None
+
+
+def _read_text(bundle: Bundle, rel: str) -> str:
+    try:
+        with open(bundle.path(rel), encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BundleError(f"{bundle.path(rel)}: cannot read the chat template ({exc}); {REBUILD}") from exc
+
+
 def _referenced(bundle: Bundle):
-    refs = [bundle.tokenizer]
+    refs = [bundle.tokenizer] + ([bundle.chat_template_file] if bundle.chat_template_file else [])
     for b in bundle.target.backends.values():
         refs += b.files
     for d in bundle.drafters.values():
@@ -279,6 +303,15 @@ class BundleWriter:
     def set_tokenizer(self, rel: str) -> None:
         self.manifest["tokenizer"] = rel
 
+    def set_prompts(self, fmt: PromptFormat) -> None:
+        """Record the model's prompt format; its chat template becomes the file chat_template.jinja."""
+        rel = None
+        if fmt.chat_template:
+            rel = "chat_template.jinja"
+            with open(self.path(rel), "w", encoding="utf-8") as f:
+                f.write(fmt.chat_template)
+        self.manifest["prompts"] = fmt.to_dict(rel)
+
     def set_generation(self, **defaults: Any) -> None:
         self.manifest["generation"].update(defaults)
 
@@ -294,7 +327,7 @@ class BundleWriter:
                 files[rel] = {"sha256": sha256_of(full), "size": os.path.getsize(full)}
         self.manifest["files"] = dict(sorted(files.items()))
         out = os.path.join(self.root, MANIFEST)
-        write_atomically(out, yaml.safe_dump(self.manifest, sort_keys=False))
+        write_atomically(out, yaml.safe_dump(self.manifest, sort_keys=False, width=200))  # templates on one line
         return out
 
 

@@ -31,6 +31,8 @@ class MemoryConfig:
                                                 "runtime/memory.py plans it); the KV arena gets what is left; "
                                                 "0 = no budget, size the arena from max_context")
     max_context: int = limits(2048, min=16, max=1 << 20, doc="positions the KV cache holds per model")
+    prefix_cache: bool = limits(True, doc="keep the K/V rows of the prompt prefix a request shares with the previous "
+                                          "one (exact: same tokens, same positions) and prefill only the rest")
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class BackendConfig:
     threads: int = limits(0, min=0, max=256, doc="0 = one per CPU core")
     providers: Tuple[str, ...] = ("CPUExecutionProvider",)
     precision: str = limits("fp32", choices=("fp32", "fp16"))
+    cuda_graphs: bool = limits(False, doc="tensorrt: replay decode/verify steps as CUDA graphs (past padded to "
+                                          "64-row buckets); prefills run eagerly")
     # Batch-1 gemv on shared cores is fastest single-threaded (see runtime/blas.py); 0 = numpy's default.
     blas_threads: int = limits(1, min=0, max=256, doc="numpy BLAS threads for the numpy backend and drafters")
 

@@ -15,8 +15,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from runtime.backends.base import TargetBackend
-from runtime.drafters.base import DraftContext, Drafter
+from runtime.drafters.base import DraftContext, Drafter, common_prefix_len
 from runtime.errors import RequestError
+from runtime.grammar import Grammar, GrammarState
 from runtime.sampling import SamplingParams, process_logits, process_logits_batch, sample
 from runtime.tree import DraftTree, flatten
 from runtime.verify import verify_greedy, verify_sampled
@@ -41,8 +42,17 @@ class DecodeStats:
     draft_s: float = 0.0  # drafter: begin, propose, accept
     verify_s: float = 0.0  # target forwards of the cycles
     other_s: float = 0.0  # the rest of wall_s: verification maths, sampling, callbacks, stop checks
+    # Computing grammar masks (and advancing the matcher); NOT a slice of its own: it lies inside
+    # prefill_s, draft_s (a drafter masking q) and other_s (the verify rows' masks). 0 without a grammar.
+    grammar_s: float = 0.0
     wall_s: float = 0.0  # engine.generate, end to end
     memory_bytes: int = 0
+    # Prefix cache (Engine.prefix_cache): prompt tokens whose K/V rows were kept from the previous request
+    # (same tokens at the same positions) and the ones the prefill ran; the session's running hit/miss counts.
+    prefix_tokens: int = 0
+    prefill_tokens: int = 0
+    prefix_hits: int = 0  # requests, this one included, that reused at least one row
+    prefix_misses: int = 0  # requests that prefilled their whole prompt
     drafter: str = "none"
     backend: str = ""
 
@@ -76,13 +86,24 @@ class StopCheck:
 
 
 class Engine:
+    """`prefix_cache`: a request keeps the target's K/V rows of the longest prefix its prompt shares with
+    what the cache holds from the previous request (prompt + output, in the same arena) and prefills only
+    the rest. Exact by construction: a row's K/V depend only on the tokens at and before its position, and
+    the kept rows are those tokens at those positions. Drafters that keep state opt in through
+    `Drafter.reusable_prefix`; the others make the target recompute the whole prompt."""
+
     def __init__(self, target: TargetBackend, drafter: Optional[Drafter], eos_ids: Sequence[int] = (),
-                 sampled_verifier: Callable = verify_sampled):
+                 sampled_verifier: Callable = verify_sampled, prefix_cache: bool = True):
         self.target = target
         self.drafter = drafter
         self.eos = set(int(e) for e in eos_ids)
         # Replaceable only so that `certify` can prove it catches a wrong rule; always verify_sampled in use.
         self.sampled_verifier = sampled_verifier
+        self.prefix_cache = prefix_cache
+        self._cached: List[int] = []  # the tokens of the target's cache rows 0 .. len-1, after the last request
+        self._cached_by: Optional[TargetBackend] = None  # ... in this backend (certify swaps in a wrapper)
+        self.prefix_hits = 0
+        self.prefix_misses = 0
 
     def check_request(self, prompt: Sequence[int], max_tokens: int, params: SamplingParams) -> None:
         if len(prompt) == 0:
@@ -100,9 +121,12 @@ class Engine:
 
     def generate(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, seed: int = 0,
                  on_tokens: Optional[Callable[[List[int]], None]] = None,
-                 stop: Optional[StopCheck] = None, first_token: Optional[int] = None) -> DecodeOutput:
+                 stop: Optional[StopCheck] = None, first_token: Optional[int] = None,
+                 grammar: Optional[Grammar] = None) -> DecodeOutput:
         """Decode up to `max_tokens` after `prompt`. `on_tokens` receives each batch of accepted tokens.
-        `first_token`, if given, is emitted instead of sampling the first token (certify fixes the root)."""
+        `first_token`, if given, is emitted instead of sampling the first token (certify fixes the root).
+        `grammar`, if given, constrains the answer: every token is drawn from the target masked by the
+        grammar state its path reaches, also inside speculation (see `_cycle`)."""
         prompt = [int(t) for t in prompt]
         self.check_request(prompt, max_tokens, params)
         stop = stop or StopCheck()
@@ -113,25 +137,29 @@ class Engine:
         depth_tried: List[int] = []
         depth_hit: List[int] = []
         t0 = time.perf_counter()
+        state = grammar.start() if grammar is not None else None
 
-        first, taps = self._prefill(prompt, params, rng)
+        first, taps, start = self._prefill(prompt, params, rng, state.allowed(()) if state else None)
         if first_token is not None:
             first = int(first_token)
+        if state is not None:
+            state.commit([first])
         stats.prefill_s = stats.ttft_s = time.perf_counter() - t0
         stats.target_forwards = 1
+        stats.prefix_tokens, stats.prefill_tokens = start, len(prompt) - start
         context = prompt + [first]
         out: List[int] = []
         finish = self._emit([first], out, max_tokens, on_tokens)
         if self.drafter is not None:
             td = time.perf_counter()
-            self.drafter.begin(prompt, taps)
+            self.drafter.begin(prompt, taps, start=start) if start else self.drafter.begin(prompt, taps)
             stats.draft_s += time.perf_counter() - td
 
         while finish is None:
             finish = stop.reason()
             if finish:
                 break
-            cycle = self._cycle(context, params, rng, draft_rng, max_tokens - len(out), stats)
+            cycle = self._cycle(context, params, rng, draft_rng, max_tokens - len(out), stats, state)
             stats.cycles += 1
             stats.target_forwards += 1
             emitted_by_cycles += len(cycle["emitted"])
@@ -144,6 +172,8 @@ class Engine:
                 depth_hit[d - 1] += int(accepted >= d)
             context.extend(cycle["emitted"])
             finish = self._emit(cycle["emitted"], out, max_tokens, on_tokens)
+            if state is not None and finish is None:
+                state.commit(cycle["emitted"])
             if finish is None:
                 finish = stop.reason()
 
@@ -153,25 +183,57 @@ class Engine:
         stats.acceptance_by_depth = [h / n for h, n in zip(depth_hit, depth_tried)]
         stats.tokens_per_s = len(out) / stats.wall_s if stats.wall_s > 0 else 0.0
         stats.other_s = stats.wall_s - stats.prefill_s - stats.draft_s - stats.verify_s  # spans never overlap
+        stats.grammar_s = state.seconds if state is not None else 0.0
+        # The cache's tokens, for the next request's prefix (left unset when a request fails midway: the next
+        # one then prefills in full and the drafter starts afresh).
+        self._cached, self._cached_by = context[:self.target.cache_len], self.target
+        stats.prefix_hits, stats.prefix_misses = self.prefix_hits, self.prefix_misses
         return DecodeOutput(tokens=out, finish_reason=finish, stats=stats)
 
-    def _prefill(self, prompt: List[int], params: SamplingParams, rng: np.random.Generator):
-        self.target.reset()
-        taps = self.drafter.target_taps if self.drafter else ()
-        res = self.target.forward(np.asarray(prompt, np.int64), np.arange(len(prompt)), None, taps)
-        p = process_logits(res.logits[-1], params, prompt)
-        first = int(np.argmax(p)) if params.greedy else sample(p, rng)
-        return first, res.taps
+    def _reusable(self, prompt: List[int]) -> int:
+        """Rows of the target's cache to keep for `prompt`: the common prefix with the previous request's
+        tokens, at least one prompt token left to run (its logits give the first token), and no more than
+        the drafter can start from."""
+        cached, cached_by = self._cached, self._cached_by
+        self._cached, self._cached_by = [], None  # until this request ends
+        if not self.prefix_cache or cached_by is not self.target:
+            return 0
+        n = min(common_prefix_len(cached, prompt), len(prompt) - 1, self.target.cache_len)
+        if n > 0 and self.drafter is not None:
+            n = max(0, min(n, self.drafter.reusable_prefix(n)))
+        return n
 
-    def _cycle(self, context: List[int], params: SamplingParams, rng, draft_rng, remaining: int, stats: DecodeStats):
-        """One draft -> verify -> accept cycle. Returns the emitted tokens and what was drafted/accepted."""
+    def _prefill(self, prompt: List[int], params: SamplingParams, rng: np.random.Generator,
+                 mask: Optional[np.ndarray] = None):
+        """Returns (first token, taps of the rows run, start): rows [0, start) were kept, [start, len) run."""
+        start = self._reusable(prompt)
+        if start:
+            self.target.keep(start, [])
+            self.prefix_hits += 1
+        else:
+            self.target.reset()
+            self.prefix_misses += 1
+        taps = self.drafter.target_taps if self.drafter else ()
+        res = self.target.forward(np.asarray(prompt[start:], np.int64), np.arange(start, len(prompt)), None, taps)
+        p = process_logits(res.logits[-1], params, prompt, mask)
+        first = int(np.argmax(p)) if params.greedy else sample(p, rng)
+        return first, res.taps, start
+
+    def _cycle(self, context: List[int], params: SamplingParams, rng, draft_rng, remaining: int, stats: DecodeStats,
+               grammar: Optional[GrammarState] = None):
+        """One draft -> verify -> accept cycle. Returns the emitted tokens and what was drafted/accepted.
+
+        Under a grammar, verify row r (root, then node i) is masked by the grammar state after the root +
+        node i's path, so the verifier compares against exactly the distribution plain constrained decoding
+        would sample at that point; the drafter gets the same masks through DraftContext.mask (cached)."""
         target = self.target
         base = target.cache_len  # rows before the root
         tree = DraftTree(tokens=np.zeros(0, np.int64), parents=np.zeros(0, np.int64))
         if self.drafter is not None and remaining > 1:
             td = time.perf_counter()
             max_nodes = min(target.max_cache_len - base - 1, remaining - 1)
-            tree = self.drafter.propose(DraftContext(context, params, draft_rng, max_nodes))
+            allowed = grammar.allowed if grammar is not None else None
+            tree = self.drafter.propose(DraftContext(context, params, draft_rng, max_nodes, allowed))
             stats.draft_s += time.perf_counter() - td
         tokens, positions, mask = flatten(tree, context[-1], base, base)
         tv = time.perf_counter()
@@ -179,7 +241,8 @@ class Engine:
         res = target.forward(tokens, positions, mask, taps_wanted)
         stats.verify_s += time.perf_counter() - tv
         histories = self._histories(context, tree) if params.repetition_penalty != 1.0 else ()
-        p = process_logits_batch(res.logits, params, histories)
+        masks = grammar.row_masks(tree) if grammar is not None else None
+        p = process_logits_batch(res.logits, params, histories, masks)
         result = verify_greedy(tree, p) if params.greedy else self.sampled_verifier(tree, p, rng)
         rows = [base] + [base + 1 + i for i in result.accepted]
         target.keep(base, rows)

@@ -31,7 +31,7 @@ MIN_CONTEXT = 16  # the smallest context a session runs with (memory.max_context
 BYTES_PER_WEIGHT = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5 + 2 / 128}
 # Resident bytes of the process before any model is loaded (VmRSS after imports, measured on the dev VM);
 # "device": a CUDA context + cuBLAS/TensorRT workspace on Orin, an estimate until profiled there.
-RUNTIME_OVERHEAD = {"numpy_ref": 40 * MiB, "onnx": 76 * MiB, "device": 512 * MiB}
+RUNTIME_OVERHEAD = {"numpy_ref": 40 * MiB, "onnx": 76 * MiB, "device": 512 * MiB, "tensorrt": 512 * MiB}
 # onnxruntime's CPU arena keeps each session's peak (target and draft graph alike), at ~2.5x the numpy
 # activations of the same forward (zoo, prefill of 512-2048 tokens: 2.3-2.9x).
 ONNX_SCRATCH_FACTOR = 2.5
@@ -407,6 +407,14 @@ def _safetensors_numel(path: str) -> int:
     return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
 
 
+def _engine_prefill_tokens(bundle, backend: str) -> Optional[int]:
+    """TensorRT engines prefill in chunks of their prefill profile (runtime/backends/tensorrt.py); the other
+    backends prefill a prompt in one forward (None = the whole context)."""
+    files = bundle.target.backends.get(backend) if backend == "tensorrt" else None
+    profile = (files.params.get("profiles") or {}).get("prefill") if files is not None else None
+    return int(profile["max_tokens"]) if profile else None
+
+
 def bundle_inputs(bundle, drafter: str, backend: str, tree_tokens: int) -> PlanInputs:
     """PlanInputs of a bundle as a Session loads it: numpy_ref holds every weight as float32, an ONNX graph
     at its export precision; a draft model without a graph for the backend runs in numpy (float32); an MTP
@@ -434,6 +442,7 @@ def bundle_inputs(bundle, drafter: str, backend: str, tree_tokens: int) -> PlanI
     onnx = backend != "numpy_ref"
     d_graph = entry is not None and entry.spec is not None and backend in entry.backends
     return PlanInputs(target=target, drafter=draft, precision=prec, head_precision=prec, drafter_precision=d_prec,
-                      kv_bytes=kv, drafter_extra_bytes=extra, tree_tokens=tree_tokens, prefill_tokens=None,
+                      kv_bytes=kv, drafter_extra_bytes=extra, tree_tokens=tree_tokens,
+                      prefill_tokens=_engine_prefill_tokens(bundle, backend),
                       overhead_bytes=overhead, scratch_factor=ONNX_SCRATCH_FACTOR if onnx else 1.0,
                       drafter_scratch=onnx and d_graph)

@@ -11,6 +11,10 @@ A prompt ends with SEP; the model's answer follows it and ends with EOS.
       -> '<|bos|><|act|>pick up the red cup<|obs|>+0.10 -0.20 +0.30 +0.00 +1.00 +0.40 +0.10 +0.02<|sep|>'
       answer: ACTION_CHUNK x 7 action-bin tokens '<|a000|>'..'<|a255|>', then '<|eos|>'
     text_prompt("To be, or not") -> '<|bos|><|text|>To be, or not'   (free prose, no SEP)
+
+These are one instance (ZOO_PROMPTS) of the general mechanism in runtime/templates.py: a bundle carries its
+model's own format (chat template, task templates, EOS tokens), and `planner_prompt(..., fmt)` renders with
+it. CHAT_PLANNER / CHAT_ACTION are the task templates `edgespec bundle` gives a model with a chat template.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import json
 from typing import Any, Dict, List, Sequence, Union
 
 from runtime.errors import RequestError
+from runtime.templates import PromptFormat, TaskTemplate
 
 PAD = "<|pad|>"
 BOS = "<|bos|>"
@@ -51,21 +56,44 @@ SKILLS: Dict[str, tuple] = {  # skill -> required argument names (other args are
     "wait": ("seconds",),
 }
 
+ZOO_PROMPTS = PromptFormat(
+    tasks={"planner": TaskTemplate(raw=f"{BOS}{PLAN}{{{{ instruction }}}}{{% if context %}}{CTX}{{{{ context }}}}"
+                                       f"{{% endif %}}{SEP}"),
+           "action": TaskTemplate(raw=f"{BOS}{ACT}{{{{ instruction }}}}{OBS}{{{{ observation }}}}{SEP}"),
+           "text": TaskTemplate(raw=f"{BOS}{TEXT}{{{{ text }}}}")},
+    special_tokens={"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}, eos_tokens=(EOS,),
+    source="the zoo's prompt format")
 
-def planner_prompt(instruction: str, context: str = "") -> str:
+# For an instruction-tuned model (rendered by its chat template): the zoo's skills, told in words.
+CHAT_PLANNER = TaskTemplate(
+    system="You are the task planner of a home robot. Answer with the plan only: a JSON list of steps, each an "
+           "object {\"skill\": NAME, ...arguments}. Skills and their required arguments: "
+           + ", ".join(f"{k}({', '.join(v)})" for k, v in SKILLS.items())
+           + '. Example: [{"skill":"navigate","room":"kitchen"},{"skill":"pick","object":"red cup"}]',
+    user="{{ instruction }}{% if context %}\n\nWhat happened so far: {{ context }}\nPlan the rest.{% endif %}")
+CHAT_ACTION = TaskTemplate(
+    system=f"You control a robot arm. Answer with {ACTION_CHUNK} actions of {ACTION_DIMS} action tokens each.",
+    user="{{ instruction }}\nObservation: {{ observation }}")
+
+
+def zoo_tokens_in(tokenizer) -> bool:
+    """Whether a tokenizer has the zoo's task tokens (a bundle without a `prompts` section then gets ZOO_PROMPTS)."""
+    return all(tokenizer.token_to_id(t) is not None for t in (BOS, EOS, PLAN, ACT, TEXT, SEP, CTX, OBS))
+
+
+def planner_prompt(instruction: str, context: str = "", fmt: PromptFormat = ZOO_PROMPTS) -> str:
     """The planner prompt; `context` (optional) reports what went wrong so the model replans the rest."""
     instruction = instruction.strip()
     if not instruction:
         raise RequestError("instruction", "is empty; give the robot an instruction such as 'bring me the cup'")
-    ctx = f"{CTX}{context.strip()}" if context and context.strip() else ""
-    return f"{BOS}{PLAN}{instruction}{ctx}{SEP}"
+    return fmt.render("planner", instruction=instruction, context=context.strip() if context else "")
 
 
 def format_observation(observation: Sequence[float]) -> str:
     return " ".join(f"{float(v):+.2f}" for v in observation)
 
 
-def action_prompt(instruction: str, observation: Union[Sequence[float], str]) -> str:
+def action_prompt(instruction: str, observation: Union[Sequence[float], str], fmt: PromptFormat = ZOO_PROMPTS) -> str:
     """The action prompt: instruction plus observation (OBS_DIMS floats, or an already formatted string)."""
     instruction = instruction.strip()
     if not instruction:
@@ -82,11 +110,11 @@ def action_prompt(instruction: str, observation: Union[Sequence[float], str]) ->
                                                   f"{OBS_LIMIT:g}] (metres, radians, gripper 0..1): send the "
                                                   "robot's reading in these units")
         obs = format_observation(observation)
-    return f"{BOS}{ACT}{instruction}{OBS}{obs}{SEP}"
+    return fmt.render("action", instruction=instruction, observation=obs)
 
 
-def text_prompt(text: str) -> str:
-    return f"{BOS}{TEXT}{text}"
+def text_prompt(text: str, fmt: PromptFormat = ZOO_PROMPTS) -> str:
+    return fmt.render("text", text=text)
 
 
 def plan_to_json(steps: List[Dict[str, Any]]) -> str:

@@ -3,7 +3,11 @@
 Speculative decoding is exact with respect to the PROCESSED target distribution, so the same
 `process_logits` must turn the target's logits into p and the drafter's logits into q. The order is fixed:
 
-    allowed mask -> repetition penalty -> greedy one-hot | temperature -> top-k -> top-p -> min-p -> renormalise
+    allowed mask & grammar mask -> repetition penalty -> greedy one-hot | temperature -> top-k -> top-p -> min-p
+    -> renormalise
+
+The grammar mask (runtime/grammar.py) differs per row (each verify row has its own path), so it is passed
+per call, not in SamplingParams.
 """
 
 from __future__ import annotations
@@ -69,8 +73,10 @@ def _is_real(x: object) -> bool:
     return not math.isnan(x)
 
 
-def process_logits(logits: np.ndarray, params: SamplingParams, history: Sequence[int] = ()) -> np.ndarray:
-    """(V,) logits -> (V,) float64 probabilities of the processed distribution.
+def process_logits(logits: np.ndarray, params: SamplingParams, history: Sequence[int] = (),
+                   mask: Optional[np.ndarray] = None) -> np.ndarray:
+    """(V,) logits -> (V,) float64 probabilities of the processed distribution; `mask` (V,) bool, if given,
+    keeps only the tokens a grammar allows (see process_logits_batch).
 
     Example: logits (2, 1, 0, -inf), temperature 1, top_k 2 -> softmax over ids {0, 1} = (0.731, 0.269, 0, 0).
     Greedy (temperature 0) returns a one-hot at the argmax, ties -> lowest id.
@@ -78,15 +84,18 @@ def process_logits(logits: np.ndarray, params: SamplingParams, history: Sequence
     x = np.asarray(logits)
     if x.ndim != 1:
         raise ValueError(f"process_logits expects (V,) logits, got shape {x.shape}")
-    return process_logits_batch(x[None, :], params, [history])[0]
+    return process_logits_batch(x[None, :], params, [history], None if mask is None else mask[None, :])[0]
 
 
 def process_logits_batch(
-    logits: np.ndarray, params: SamplingParams, histories: Sequence[Sequence[int]] = ()
+    logits: np.ndarray, params: SamplingParams, histories: Sequence[Sequence[int]] = (),
+    masks: Optional[np.ndarray] = None,
 ) -> np.ndarray:
-    """(N, V) logits -> (N, V) float64 probabilities; row i uses histories[i] for the repetition penalty.
+    """(N, V) logits -> (N, V) float64 probabilities; row i uses histories[i] for the repetition penalty
+    and masks[i] ((N, V) bool, optional: the grammar's allowed tokens after row i's path) before anything else.
 
     `histories` may be empty when repetition_penalty == 1 (histories then do not matter).
+    Example: logits (1, 1, 1), temperature 1, mask (True, False, True) -> (0.5, 0, 0.5).
     """
     x = np.array(logits, dtype=np.float64)  # (N, V) private copy
     if x.ndim != 2:
@@ -98,13 +107,15 @@ def process_logits_batch(
         keep = np.zeros(vocab, dtype=bool)
         keep[np.asarray(params.allowed_tokens, dtype=np.int64)] = True
         x[:, ~keep] = -np.inf
+    if masks is not None:
+        x[~np.asarray(masks, dtype=bool)] = -np.inf
     if params.repetition_penalty != 1.0:
         if len(histories) != n:
             raise ValueError(f"need one history per row: {n} rows, {len(histories)} histories")
         for row, hist in zip(x, histories):
             _apply_repetition_penalty(row, hist, params.repetition_penalty)
     if np.isneginf(x).all(axis=1).any():
-        raise ValueError("every token has logit -inf (after the allowed-token mask): nothing can be sampled")
+        raise ValueError("every token has logit -inf (after the allowed-token / grammar mask): nothing can be sampled")
 
     if params.greedy:
         probs = np.zeros_like(x)

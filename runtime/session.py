@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import json
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -24,14 +25,17 @@ from runtime.config import BackendConfig, RuntimeConfig
 from runtime.drafters.base import Drafter
 from runtime.drafters.draft_model import DraftModelDrafter
 from runtime.drafters.eagle import DynamicTree, EagleDrafter
-from runtime.drafters.medusa import MedusaDrafter
+from runtime.drafters.medusa import MedusaDrafter, resolve_tree
 from runtime.drafters.mtp import MTPDrafter, mtp_cache_shape
 from runtime.drafters.ngram import NgramDrafter
 from runtime.engine import DecodeStats, Engine, StopCheck
 from runtime.errors import BudgetExceeded, BundleError, RequestError
+from runtime.grammar import Grammar, GrammarTokenizer
 from runtime.kv import KVArena
-from runtime.prompts import ACTION_CHUNK, EOS, action_prompt, parse_plan, plan_objects, planner_prompt
+from runtime.prompts import (ACTION_CHUNK, ZOO_PROMPTS, action_prompt, parse_plan, plan_objects, planner_prompt,
+                             zoo_tokens_in)
 from runtime.sampling import SamplingParams
+from runtime.templates import PromptFormat
 from runtime.tokenizer import StreamDecoder, Tokenizer
 
 DRAFTER_CHOICES = ("none", "ngram", "draft_model")
@@ -124,7 +128,8 @@ def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max
         head = embed if spec.tie_word_embeddings else np.ascontiguousarray(target_w["lm_head.weight"], np.float32)
         cache = arena.allocate("mtp", mtp_cache_shape(spec), max_positions + num_tokens)
         return MTPDrafter(spec, weights, embed, head, cache, num_tokens=num_tokens,
-                          layer_index=int(entry.params.get("first_layer_index", spec.num_layers)))
+                          layer_index=int(entry.params.get("first_layer_index", spec.num_layers)),
+                          layout=str(entry.params.get("layout", "deepseek_v3")))
     if entry.kind == "medusa":
         spec = bundle.target.spec
         return MedusaDrafter(load_weights(bundle, entry.files), tree=entry.params.get("tree", "chain"),
@@ -192,6 +197,29 @@ def return_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
+def prompt_format(bundle, tokenizer: Tokenizer) -> PromptFormat:
+    """The bundle's prompt format; a bundle from before it was recorded gets the zoo's when its tokenizer has
+    the zoo's task tokens, else none (a planner request then says what to add)."""
+    if bundle.prompts is not None:
+        return bundle.prompts
+    if zoo_tokens_in(tokenizer):
+        return ZOO_PROMPTS
+    return PromptFormat(source=f"{bundle.path('bundle.yaml')}: prompts")
+
+
+def eos_ids(bundle, prompts: PromptFormat, tokenizer: Tokenizer) -> List[int]:
+    """Every token id that ends an answer: the config's eos_token_id(s) and the prompt format's eos_tokens."""
+    eos = set(bundle.target.spec.eos_token_ids)
+    for token in prompts.eos_tokens:
+        tid = tokenizer.token_to_id(token)
+        if tid is None:
+            raise BundleError(f"{prompts.source}.eos_tokens: {token!r} is not a token of {bundle.tokenizer}; "
+                              "rebuild the bundle (`edgespec bundle --target DIR --out DIR --prompts FILE`) "
+                              "naming a token the tokenizer has")
+        eos.add(int(tid))
+    return sorted(eos)
+
+
 class Session:
     """One model, one drafter, one KV arena. Requests run one at a time (batch 1)."""
 
@@ -210,8 +238,12 @@ class Session:
                                           f"{sorted(set(DRAFTER_CHOICES) | set(b.drafters))}")
         # The plan (runtime/memory.py) sizes the arena; an over-budget session is refused before any allocation.
         shapes = memory.bundle_cache_shapes(b, name)
-        self.plan_inputs = memory.bundle_inputs(b, name, backend.kind,
-                                                config.drafter.num_tokens * config.drafter.branching + 1)
+        tree_tokens = config.drafter.num_tokens * config.drafter.branching + 1
+        entry = b.drafters.get(name)
+        if entry is not None and entry.kind == "medusa":  # a static tree: its size is the bundle's, not the flags'
+            depth = min(config.drafter.num_tokens, int(entry.params.get("num_heads", config.drafter.num_tokens)))
+            tree_tokens = len(resolve_tree(entry.params.get("tree", "chain"), depth)) + 1
+        self.plan_inputs = memory.bundle_inputs(b, name, backend.kind, tree_tokens)
         positions = config.memory.max_context
         self.budget_bytes = int(config.memory.budget_mb * 2**20)
         if self.budget_bytes > 0:
@@ -234,16 +266,17 @@ class Session:
         check_taps(self.drafter, self.target, name, b.root)
         self.drafter_kind = name
         self.backend_name = backend.kind
-        eos = set(spec.eos_token_ids)
-        eos_id = self.tokenizer.token_to_id(EOS)
-        if eos_id is not None:
-            eos.add(eos_id)
-        self.engine = Engine(self.target, self.drafter, sorted(eos))
+        self.prompts = prompt_format(b, self.tokenizer)
+        self.engine = Engine(self.target, self.drafter, eos_ids(b, self.prompts, self.tokenizer),
+                             prefix_cache=config.memory.prefix_cache)
         self._actions: Optional[ActionTokenizer] = None
+        self._grammar_tokenizer: Optional[GrammarTokenizer] = None
+        self._grammars: Dict[tuple, Grammar] = {}  # compiled grammars by (kind, text), the most recent few
 
     @classmethod
     def open(cls, bundle_dir: str, drafter: Optional[str] = None, backend: Optional[str] = None,
-             max_context: Optional[int] = None, num_tokens: Optional[int] = None) -> "Session":
+             max_context: Optional[int] = None, num_tokens: Optional[int] = None,
+             prefix_cache: Optional[bool] = None) -> "Session":
         cfg = RuntimeConfig(bundle=bundle_dir)
         if drafter is not None:
             cfg = replace(cfg, drafter=replace(cfg.drafter, kind=drafter))
@@ -253,6 +286,8 @@ class Session:
             cfg = replace(cfg, backend=replace(cfg.backend, kind=backend))
         if max_context is not None:
             cfg = replace(cfg, memory=replace(cfg.memory, max_context=max_context))
+        if prefix_cache is not None:
+            cfg = replace(cfg, memory=replace(cfg.memory, prefix_cache=prefix_cache))
         return cls(cfg)
 
     def memory_in_use(self) -> int:
@@ -265,6 +300,36 @@ class Session:
         if self._actions is None:
             self._actions = ActionTokenizer.from_tokenizer(self.tokenizer)
         return self._actions
+
+    def grammar(self, json_schema=None, grammar: Optional[str] = None, field: Optional[str] = None) -> Optional[Grammar]:
+        """Compile a request's constraint (JSON Schema as dict or text, or a Lark grammar); None if neither.
+        Compiled grammars are kept for the next requests (a robot sends the same schema again and again)."""
+        if json_schema is not None and grammar is not None:
+            raise RequestError(field or "grammar", "send either a JSON Schema or a Lark grammar, not both")
+        if json_schema is None and grammar is None:
+            return None
+        if grammar is not None:
+            return self._compiled(("lark", grammar),
+                                  lambda: Grammar.from_lark(grammar, self._grammar_tok(), field or "grammar"))
+        key = ("json", json_schema if isinstance(json_schema, str) else json.dumps(json_schema, sort_keys=True))
+        return self._compiled(key, lambda: Grammar.from_json_schema(json_schema, self._grammar_tok(),
+                                                                     field or "json_schema"))
+
+    def _grammar_tok(self) -> GrammarTokenizer:
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = GrammarTokenizer(self.bundle.path(self.bundle.tokenizer),
+                                                       self.target.spec.vocab_size, self.engine.eos)
+        return self._grammar_tokenizer
+
+    def _compiled(self, key: tuple, compile_: Callable[[], Grammar]) -> Grammar:
+        """The grammar compiled for `key`, from the last few requests' if there (most recent last)."""
+        hit = self._grammars.pop(key, None)
+        if hit is None:
+            hit = compile_()
+        self._grammars[key] = hit
+        while len(self._grammars) > 8:
+            self._grammars.pop(next(iter(self._grammars)))
+        return hit
 
     def close(self) -> None:
         """Release the model (weights, KV arena, backend sessions), also while the caller still holds this
@@ -280,8 +345,8 @@ class Session:
 
     def generate_ids(self, prompt_ids: Sequence[int], params: GenerationParams, allowed_tokens=None,
                      on_delta: Optional[Callable[[str, int], None]] = None,
-                     should_stop: Optional[Callable[[], bool]] = None):
-        """Decode after token ids; returns (text, ids, finish_reason, stats)."""
+                     should_stop: Optional[Callable[[], bool]] = None, grammar: Optional[Grammar] = None):
+        """Decode after token ids (constrained by `grammar` if given); returns (text, ids, finish_reason, stats)."""
         params.check()
         need = len(prompt_ids) + params.max_tokens
         if self.budget_positions is not None and need > self.budget_positions and isinstance(params.max_tokens, int):
@@ -309,7 +374,7 @@ class Session:
         deadline = start + params.deadline_s if params.deadline_s else None
         try:
             out = self.engine.generate(prompt_ids, params.sampling(allowed_tokens), params.max_tokens, params.seed,
-                                       on_tokens, StopCheck(deadline, why_stop))
+                                       on_tokens, StopCheck(deadline, why_stop), grammar=grammar)
         except Exception as exc:  # a backend failure mid-stream: the caller may have streamed text already
             exc.partial = Partial(decoder.text, list(emitted))
             raise
@@ -325,17 +390,23 @@ class Session:
 
     def generate(self, prompt: str, params: GenerationParams = GenerationParams(),
                  on_delta: Optional[Callable[[str, int], None]] = None,
-                 should_stop: Optional[Callable[[], bool]] = None) -> GenerationResult:
+                 should_stop: Optional[Callable[[], bool]] = None,
+                 json_schema=None, grammar: Optional[str] = None) -> GenerationResult:
+        """`json_schema` (dict or JSON text) or `grammar` (Lark text) constrain the answer (runtime/grammar.py)."""
         if not isinstance(prompt, str) or not prompt.strip():
             raise RequestError("prompt", "is empty; give the text to continue")
+        constraint = self.grammar(json_schema, grammar)
         ids = self.tokenizer.encode(prompt)
-        text, tokens, finish, stats = self.generate_ids(ids, params, None, on_delta, should_stop)
+        text, tokens, finish, stats = self.generate_ids(ids, params, None, on_delta, should_stop, constraint)
         return GenerationResult(text, tokens, finish, stats)
 
     def plan(self, instruction: str, context: str = "", params: GenerationParams = GenerationParams(),
-             on_delta: Optional[Callable[[str, int], None]] = None) -> PlanResult:
-        ids = self.tokenizer.encode(planner_prompt(instruction, context))
-        text, _, finish, stats = self.generate_ids(ids, params, on_delta=on_delta)
+             on_delta: Optional[Callable[[str, int], None]] = None, schema=None) -> PlanResult:
+        """`schema` (a JSON Schema, dict or text; configs/plan_schema.json is the zoo's) makes every plan valid
+        by construction, unless max_tokens cuts it short (finish_reason "max_tokens")."""
+        constraint = self.grammar(schema, None, "schema")
+        ids = self.tokenizer.encode(planner_prompt(instruction, context, self.prompts))
+        text, _, finish, stats = self.generate_ids(ids, params, on_delta=on_delta, grammar=constraint)
         try:
             steps = parse_plan(text)
             return PlanResult(text, steps, True, "", sorted(plan_objects(steps)), finish, stats)
@@ -350,11 +421,15 @@ class Session:
             raise RequestError("observation_text", "is set and so is observation: send only one of them "
                                                    "(observation: the numbers; observation_text: the same as text)")
         obs = observation_text if observation_text else list(observation)  # the numbers are checked by the prompt
-        ids = self.tokenizer.encode(action_prompt(instruction, obs))
+        ids = self.tokenizer.encode(action_prompt(instruction, obs, self.prompts))
         at = self.actions
-        # Exactly num_actions * dims tokens, all restricted to action bins (the same mask on p and q).
-        params = replace(params, max_tokens=num_actions * at.dims, stop=())
-        _, tokens, finish, stats = self.generate_ids(ids, params, tuple(int(t) for t in at.allowed_token_ids()))
+        # Exactly num_actions * dims action-bin tokens then EOS: the trivial grammar, masked like any other
+        # (on every verify row and on the drafter's q). max_tokens ends the answer before its EOS.
+        n = num_actions * at.dims
+        params = replace(params, max_tokens=n, stop=())
+        grammar = self._compiled(("actions", n), lambda: Grammar.token_run(at.allowed_token_ids(), n,
+                                                                           self._grammar_tok(), "num_actions"))
+        _, tokens, finish, stats = self.generate_ids(ids, params, grammar=grammar)
         usable = len(tokens) - len(tokens) % at.dims
         actions = at.decode(tokens[:usable]) if usable else np.zeros((0, at.dims), np.float32)
         return ActionResult(list(tokens), actions, at.dims, finish, stats)

@@ -31,6 +31,9 @@ class Tokenizer:
     def token_to_id(self, token: str) -> Optional[int]:
         return self._tok.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> Optional[str]:
+        return self._tok.id_to_token(int(token_id))
+
 
 class StreamDecoder:
     """Turns a growing list of token ids into text deltas. Byte-level BPE can split a character over

@@ -25,8 +25,8 @@ python_deps() {
   if stamp_ok python "$key"; then echo "== bootstrap: python packages up to date"; return; fi
   step "installing torch==2.13.0 (CPU build from local disk; export side and tests only)"
   "$VENV/bin/pip" install --progress-bar off torch==2.13.0 2>&1 | grep -v '^WARNING: Location' | tail -n 2
-  step "installing edgespec with extras onnx, export, test"
-  "$VENV/bin/pip" install --progress-bar off -e '.[onnx,export,test]' 2>&1 | grep -v '^WARNING: Location' | tail -n 2
+  step "installing edgespec with extras onnx, export, test, peers, plot"
+  "$VENV/bin/pip" install --progress-bar off -e '.[onnx,export,test,peers,plot]' 2>&1 | grep -v '^WARNING: Location' | tail -n 2
   stamp_set python "$key"
 }
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from runtime.commands.bench import BENCH_PROMPTS
+from runtime.commands.bench import bench_prompts
 from runtime.sampling import SamplingParams
 from runtime.session import Session
 from runtime.siblings import iid_with_replacement, without_replacement
@@ -28,7 +28,7 @@ def main() -> None:
     args = ap.parse_args()
     session = Session.open(args.bundle, drafter="draft_model", backend=args.backend)
     params = SamplingParams(temperature=1.0)
-    prompts = [session.tokenizer.encode(p) for ps in BENCH_PROMPTS.values() for p in ps]
+    prompts = [session.tokenizer.encode(p) for ps in bench_prompts(session.prompts).values() for p in ps]
     stats = {name: {"emitted": 0, "cycles": 0, "ms": []} for name, _, _ in CONFIGS}
     for r in range(args.rounds):
         for i, prompt in enumerate(prompts):

@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 
 from runtime.commands.bench import CONTROL, paired_speedup
@@ -46,3 +47,76 @@ def test_a_standin_bundle_is_labelled_as_a_stand_in(tiny_bundle, tmp_path, capsy
     code, out, _ = run_cli(["bench", "--bundle", copy, "--drafters", "ngram"] + FAST, capsys)
     assert code == 0 and "STAND-IN" in out and "ngram *" in out and "* stand-in rows" in out
     assert f"{CONTROL} *" in out
+
+
+def test_peers_run_on_the_same_weights_interleaved_and_their_greedy_output_is_checked(tiny_bundle, capsys):
+    hf = os.path.dirname(tiny_bundle)  # the tiny bundle's HF folders: target/, draft/
+    code, out, err = run_cli(["bench", "--bundle", tiny_bundle, "--drafters", "draft_model", "--json",
+                              "--peers", "hf_assisted,ortgenai", "--peer-target", os.path.join(hf, "target"),
+                              "--peer-draft", os.path.join(hf, "draft")] + FAST, capsys)
+    rows = json.loads(out)
+    peers = {r["drafter"]: r for r in rows if r.get("peer")}
+    assert code == 0 and set(peers) == {"peer:hf_assisted", "peer:ortgenai"}, err
+    for r in peers.values():
+        assert "unavailable" not in r and r["identical_to_plain"] is True and r["rounds"] == 1
+        assert r["edgespec_best"] in ("none", "draft_model") and r["edgespec_best_over_peer"] > 0
+
+
+def test_a_peer_that_cannot_run_gets_a_row_saying_why_and_the_bench_goes_on(tiny_bundle, tmp_path, capsys):
+    hf = os.path.dirname(tiny_bundle)
+    missing = str(tmp_path / "no-draft-here")
+    # both draft-model peers: the draft folder is missing
+    code, out, _ = run_cli(["bench", "--bundle", tiny_bundle, "--drafters", "ngram", "--peers",
+                            "hf_assisted,ortgenai_draft", "--peer-target", os.path.join(hf, "target"),
+                            "--peer-draft", missing] + FAST, capsys)
+    lines = [line for line in out.splitlines() if "unavailable:" in line]
+    assert code == 0 and len(lines) == 2 and "no-draft-here" in lines[0], out
+
+
+def test_peers_on_a_bundle_of_unknown_origin_need_the_hf_folder(tiny_bundle, capsys):
+    code, _, err = run_cli(["bench", "--bundle", tiny_bundle, "--peers", "hf"] + FAST, capsys)
+    assert code == 2 and "--peer-target" in err and "Traceback" not in err
+    code, _, err = run_cli(["bench", "--bundle", tiny_bundle, "--peers", "vllm"] + FAST, capsys)
+    assert code == 2 and "--peers" in err and "ortgenai" in err
+
+
+def test_own_prompts_from_a_file_and_plots_with_per_domain_speedup_and_acceptance_by_depth(tiny_bundle, tmp_path,
+                                                                                            capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("navigate to the kitchen\n\nopen the drawer\\nand wait\n")
+    plots = tmp_path / "plots"
+    code, out, err = run_cli(["bench", "--bundle", tiny_bundle, "--drafters", "draft_model", "--prompts", str(prompts),
+                              "--plot", str(plots), "--json", "--max-tokens", "6", "--rounds", "1"], capsys)
+    rows = json.loads(out)
+    assert code == 0, err
+    assert all(set(r["by_domain"]) == {"file"} for r in rows)
+    draft = next(r for r in rows if r["label"] == "draft_model")
+    assert draft["acceptance_by_depth"] and all(0 <= a <= 1 for a in draft["acceptance_by_depth"])
+    assert draft["target_gb_per_s"] > 0 and draft["bandwidth_bound_gb_per_s"] > 0
+    assert sorted(os.listdir(plots)) == ["cycle_time.png", "speedup.png", "tau_depth.png"]
+
+
+def test_a_prompts_file_that_cannot_be_used_is_named(tmp_path, tiny_bundle, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    code, _, err = run_cli(["bench", "--bundle", tiny_bundle, "--prompts", str(empty)], capsys)
+    assert code == 2 and "--prompts" in err and "empty.txt" in err
+    code, _, err = run_cli(["bench", "--bundle", tiny_bundle, "--prompts", str(tmp_path / "missing.txt")], capsys)
+    assert code == 2 and "missing.txt" in err
+
+
+def test_near_tie_names_where_a_greedy_output_differs_and_the_target_logit_gap_there(tiny_bundle):
+    from runtime.commands.bench import near_tie
+    from runtime.session import GenerationParams, Session
+    s = Session.open(tiny_bundle, drafter="none")
+    try:
+        ids = s.tokenizer.encode("navigate to the kitchen")
+        plain = s.generate_ids(ids, GenerationParams(max_tokens=5))[1]
+        s.target.reset()
+        logits = s.target.forward(np.asarray(ids + plain[:2], np.int64), np.arange(len(ids) + 2), None, ()).logits[-1]
+        runner_up = int(np.argsort(logits)[-2])
+        got = near_tie(s, ids, plain, plain[:2] + [runner_up])
+    finally:
+        s.close()
+    assert got["position"] == 2 and got["plain_token"] == plain[2] and got["other_token"] == runner_up
+    assert got["logit_gap"] == pytest.approx(float(logits[plain[2]] - logits[runner_up]), abs=1e-5) and got["logit_gap"] >= 0

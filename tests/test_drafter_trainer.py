@@ -96,3 +96,18 @@ def test_two_gloo_processes_follow_the_single_process_loss_curve(tmp_path):
     mp.start_processes(_ddp_worker, args=(2, port, str(tmp_path / "two"), out), nprocs=2, join=True,
                        start_method="spawn")
     assert np.allclose(np.load(out), single.losses, rtol=1e-4, atol=1e-6)
+
+
+def test_train_drafter_refuses_bad_input_with_one_line_errors(tmp_path, capsys):
+    from runtime.cli import main
+
+    assert main(["train-drafter", "medusa", "--target", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "no config.json there" in capsys.readouterr().err
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "medusa_lm_head.safetensors").write_bytes(b"x")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    argv = ["train-drafter", "medusa", "--target", os.path.join(repo, "zoo", "target"), "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    assert "pass --force" in capsys.readouterr().err
+    assert main(argv + ["--heads", "0", "--force"]) == 2
+    assert "--heads: got 0, expected 1..16" in capsys.readouterr().err

@@ -2,7 +2,8 @@
 shipped in zoo/medusa on the zoo target, chain and tree), and sampled chains and trees drawn by the drafter
 itself keeping the target's law of the first emitted token and of the first two.
 
-Statistical tests: alpha = 0.001, DRAWS draws per context, fixed seeds; contexts searched deterministically
+Statistical tests: alpha = 0.001, DRAWS[kind] draws per context (chain 1500, tree 6000: each enough for its
+power control's expected chi-square to exceed 40), fixed seeds; contexts searched deterministically
 over random prompts by `runtime.certify.sensitivity` (the power control's expected chi-square per draw).
 The models are a tiny random numpy Llama (V = 97) and Medusa heads made from its own LM head with noise and
 three times sharper logits (q peaked and unlike p, where a wrong rule shows). Power controls: the
@@ -30,7 +31,7 @@ from runtime.tree import from_choices
 from tests.hf_tiny import tiny_hf_model
 
 ALPHA = 1e-3
-DRAWS = 6000
+DRAWS = {"chain": 1500, "tree": 6000}
 PARAMS = SamplingParams(temperature=1.0)
 TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -167,13 +168,13 @@ def most_sensitive_prompts(session, spec, n_candidates=96, keep=1):
 def searched(request):
     session, spec = tiny_session("chain" if request.param == "chain" else TREE)
     contexts = most_sensitive_prompts(session, spec)
-    assert all(float(label.split("draw ")[1].rstrip(")")) * DRAWS > 40 for label, _ in contexts), contexts
+    assert all(float(label.split("draw ")[1].rstrip(")")) * DRAWS[request.param] > 40 for label, _ in contexts), contexts
     return request.param, session, contexts
 
 
 def test_sampled_medusa_chains_and_trees_keep_the_first_two_tokens_law(searched):
-    _, session, contexts = searched
-    for res in certify(session, contexts, PARAMS, draws=DRAWS, alpha=ALPHA, seed=1):
+    kind, session, contexts = searched
+    for res in certify(session, contexts, PARAMS, draws=DRAWS[kind], alpha=ALPHA, seed=1):
         assert res.passed, res
         assert res.tau > 1.0  # drafts were really made and partly accepted
 
@@ -181,5 +182,5 @@ def test_sampled_medusa_chains_and_trees_keep_the_first_two_tokens_law(searched)
 def test_control_a_wrong_rule_is_rejected(searched):
     kind, session, contexts = searched
     wrong = {"sibling_rule": dedup_siblings} if kind == "tree" else {"verifier": forget_residual}
-    results = certify(session, contexts, PARAMS, draws=DRAWS, alpha=ALPHA, seed=2, **wrong)
+    results = certify(session, contexts, PARAMS, draws=DRAWS[kind], alpha=ALPHA, seed=2, **wrong)
     assert any(not r.passed for r in results), results

@@ -107,3 +107,35 @@ def test_tree_tuning_adds_the_likeliest_paths_first():
     choices, tau = tune_tree(np.array([[0.6, 0.2], [0.5, 0.1]]), max_nodes=3)
     assert choices == [[0], [1], [0, 0]]
     assert tau == pytest.approx(2.1)
+
+
+def test_bundle_with_medusa_heads_serves_both_drafters_through_a_session(tiny_bundle, tmp_path):
+    """`edgespec bundle --medusa` path: the heads go into the bundle as `medusa` (tree) and `medusa_chain`; a
+    Session runs each, greedy output equal to plain decoding, the heads counted in its memory."""
+    from export.bundle_builder import build_bundle
+    from runtime import bundle as bundle_io
+    from runtime.session import GenerationParams, Session
+
+    root = os.path.dirname(tiny_bundle)
+    spec = bundle_io.load(tiny_bundle).target.spec
+    rng = np.random.default_rng(0)
+    w = {}
+    for h in range(3):
+        w[f"{h}.0.linear.weight"] = (0.1 * rng.standard_normal((spec.hidden_size,) * 2)).astype(np.float32)
+        w[f"{h}.0.linear.bias"] = np.zeros(spec.hidden_size, np.float32)
+        w[f"{h}.1.weight"] = rng.standard_normal((spec.vocab_size, spec.hidden_size)).astype(np.float32)
+    write_medusa(str(tmp_path / "heads"), w, {"medusa_choices": [[0], [1], [0, 0], [1, 0], [0, 0, 0]]})
+    out = build_bundle(os.path.join(root, "target"), str(tmp_path / "bundle"), medusa=str(tmp_path / "heads"))
+    b = bundle_io.load(out)
+    assert b.drafters["medusa"].kind == b.drafters["medusa_chain"].kind == "medusa"
+    assert b.drafters["medusa"].params["tree"] == [[0], [1], [0, 0], [1, 0], [0, 0, 0]]
+    assert b.drafters["medusa"].files == ("medusa/medusa_lm_head.safetensors",)
+    params = GenerationParams(max_tokens=16)
+    plain = Session.open(out, drafter="none", backend="numpy_ref")
+    want = plain.generate("navigate to the kitchen", params).token_ids
+    for name in ("medusa", "medusa_chain"):
+        s = Session.open(out, drafter=name, backend="numpy_ref")
+        assert s.generate("navigate to the kitchen", params).token_ids == want, name
+        assert s.memory_in_use() > plain.memory_in_use() + 3 * spec.vocab_size * spec.hidden_size * 4
+        s.close()
+    plain.close()

@@ -160,3 +160,15 @@ def test_profile_compares_the_plan_with_the_measured_peak(tiny_bundle, capsys):
     assert code == 0 and r["measured_peak_bytes"] > 0 and r["planned_peak_bytes"] > 0
     assert r["unaccounted_bytes"] == r["measured_peak_bytes"] - r["planned_peak_bytes"]
     assert r["kv_arena_bytes"] == r["kv_planned_bytes"] and r["projection"]["plain_tok_s_bound"] > 0
+
+
+def test_plan_plot_has_a_curve_per_drafter_choice_and_is_written_atomically(tiny_bundle, tmp_path, capsys):
+    from runtime.commands.memory_plot import context_curve
+    inp = PlanInputs(target=memory.read_hf_config(os.path.join(ROOT, "configs/models/qwen3-1.7b.json")))
+    budgets, contexts = context_curve(inp, 4 * memory.GiB, points=5)
+    assert budgets == pytest.approx([1.0, 2.75, 4.5, 6.25, 8.0]) and contexts == sorted(contexts)
+    assert contexts[2] == memory.max_context(inp, int(4.5 * memory.GiB))
+    out = tmp_path / "plan.png"
+    code, _, err = run_cli(["memory", "plan", "--bundle", tiny_bundle, "--plot", str(out)], capsys)
+    assert code in (0, 1) and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", err
+    assert os.listdir(tmp_path) == ["plan.png"]  # no temporary left behind

@@ -106,10 +106,12 @@ def run(args) -> int:
     if args.kind != "medusa":
         return _train_eagle(args, cfg, work, target, data, rank, log)
     task = medusa_task(target, args.heads, args.layers)
-    log(f"medusa: {args.heads} heads x {args.layers} ResBlocks "
+    (log if rank == 0 else (lambda _m: None))(f"medusa: {args.heads} heads x {args.layers} ResBlocks "
         f"({sum(p.numel() for p in task.parameters()) / 1e6:.2f} M params) on {args.target}; "
         f"up to {cfg.steps} steps of {cfg.batch}x{cfg.seq_len} tokens or {args.minutes:g} min")
     result = train(task, target, data, cfg, work, resume=args.resume, log=log)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     if rank != 0:
         return 0
     config = {"medusa_num_heads": args.heads, "medusa_num_layers": args.layers,

@@ -43,7 +43,7 @@ def build_token_data(tokenizer_json: str, work: str, seed: int, n_planner: int, 
     tok = Tokenizer.from_file(tokenizer_json)
     data = {k: [np.asarray(e.ids, dtype=np.int16) for e in tok.encode_batch(v)] for k, v in texts.items()}
     os.makedirs(work, exist_ok=True)
-    tmp = path + ".tmp.npz"
+    tmp = f"{path}.{os.getpid()}.tmp.npz"  # torchrun: every process may build it; each renames a whole file
     np.savez(tmp, key=key, **{k: np.array(v, dtype=object) for k, v in data.items()})
     os.replace(tmp, path)
     log(f"distillation data: " + ", ".join(f"{k} {len(v)}" for k, v in data.items())

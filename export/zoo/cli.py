@@ -1,5 +1,5 @@
-"""`edgespec zoo build|report|standin`: build the embedded default models, measure their quality, or widen the
-target into the memory-bound stand-in."""
+"""`edgespec zoo build|report|standin|plans`: build the embedded default models, measure their quality, widen the
+target into the memory-bound stand-in, or measure plan validity with and without the plan schema."""
 from __future__ import annotations
 
 import argparse
@@ -60,12 +60,18 @@ def _standin(args) -> int:
     return 0
 
 
+def _plans(args) -> int:
+    from export.zoo.plans import run
+
+    return run(args)
+
+
 def register(sub) -> None:
     p = sub.add_parser("zoo", help="build or report on the embedded default models (the zoo)",
                        description="The zoo: a small Llama target with a DeepSeek-V3 MTP module and a distilled "
                                    "draft model, trained here on generated robot-planner / action-token data and "
                                    "Shakespeare. Shipped in zoo/ (fp16, HF checkpoint dirs).")
-    zsub = p.add_subparsers(dest="zoo_command", metavar="<build|report|standin>")
+    zsub = p.add_subparsers(dest="zoo_command", metavar="<build|report|standin|plans>")
     zsub.required = True
     b = zsub.add_parser("build", help="generate data, train tokenizer, target (+MTP) and draft; write the zoo",
                         description="Runs the whole pipeline on the CPU (about 55 minutes; --quick: the same "
@@ -106,3 +112,17 @@ def register(sub) -> None:
     s.add_argument("--no-onnx", action="store_true", help="with --bundle: numpy_ref only, no ONNX graphs")
     s.add_argument("--force", action="store_true", help="replace the edgespec bundle already at --bundle")
     s.set_defaults(func=_standin)
+    from runtime.commands.common import add_model_args
+
+    pl = zsub.add_parser("plans", help="valid / exact plan rates, tau and speedup with and without the plan schema",
+                         description="Greedy-decodes the held-out planner prompts and 20 hand-written out-of-"
+                                     "distribution instructions under plain and speculative decoding, each free and "
+                                     "constrained by configs/plan_schema.json, interleaved in one process; prints "
+                                     "valid-plan rate (parses and validates against the schema), exact-plan rate, "
+                                     "tau, tokens/s, paired speedup and the grammar's share of decode time. "
+                                     "Example: edgespec zoo plans --n 200 --drafter draft_model")
+    add_model_args(pl)
+    pl.add_argument("--zoo", default=None, help="zoo directory whose MANIFEST fixes the held-out split (default: zoo/)")
+    pl.add_argument("-n", type=int, default=200, help="held-out planner prompts (default 200)")
+    pl.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    pl.set_defaults(func=_plans)

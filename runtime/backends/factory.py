@@ -45,4 +45,14 @@ def open_model(bundle: Bundle, spec: ModelSpec, files: BackendFiles, backend: Ba
             raise BundleError(f"{bundle.root}: {label} has no .onnx graph; run `edgespec export --to onnx --bundle {bundle.root}`")
         return OnnxTarget(spec, bundle.path(graphs[0]), cache, providers=backend.providers, threads=backend.threads,
                           tap_names=tuple(files.params.get("taps", ("final_norm",))))
-    raise BundleError(f"backend {backend.kind!r} cannot run on this machine (available here: numpy_ref, onnx)")
+    if backend.kind == "tensorrt":
+        from runtime.backends.tensorrt import TensorRTTarget
+        engines = [f for f in files.files if f.endswith(".engine")]
+        if not engines:
+            raise BundleError(f"{bundle.root}: {label} has no TensorRT engine; build it on the device with "
+                              f"`edgespec export --to tensorrt --bundle {bundle.root}`")
+        return TensorRTTarget(spec, bundle.path(engines[0]), cache, files.params,
+                              tap_names=tuple(files.params.get("taps", ("final_norm",))), bundle_root=bundle.root,
+                              cuda_graphs=backend.cuda_graphs)
+    raise BundleError(f"backend {backend.kind!r} cannot run on this machine (available here: numpy_ref, onnx, "
+                      "tensorrt where TensorRT and CUDA are installed)")

@@ -19,14 +19,23 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional
+from dataclasses import replace
+from typing import Dict, List, Tuple
+
+import numpy as np
 
 from runtime import bundle as bundle_io
-from runtime.commands.common import add_model_args, runtime_config
+from runtime import memory
+from runtime.bench_backend import measure_bandwidth
+from runtime.commands.bench_peers import open_peers, peer_request, peer_rows, run_peer
+from runtime.commands.bench_plot import write_plots
+from runtime.commands.bench_tally import Tally, paired_speedup  # noqa: F401 (paired_speedup: part of this command's API)
+from runtime.commands.common import add_model_args, runtime_config, split_list
 from runtime.errors import ConfigError
-from runtime.prompts import action_prompt, planner_prompt, text_prompt
-from runtime.session import DRAFTER_CHOICES, GenerationParams, Session
+from runtime.prompts import format_observation
+from runtime.session import DRAFTER_CHOICES, GenerationParams, Session, prompt_format
+from runtime.templates import PromptFormat
+from runtime.tokenizer import Tokenizer
 
 HELP = """Benchmark plain decoding against speculative drafters on the same backend, in one run.
 
@@ -35,20 +44,26 @@ examples:
   edgespec bench --bundle build/bundles/zoo-standin --drafters none,ngram,draft_model,mtp --temperatures 0,1 --rounds 5
 """
 
-# In the zoo's own vocabulary (rooms, objects, people its generators use), but not from its training set.
-BENCH_PROMPTS = {
-    "planner": [planner_prompt(s) for s in (
+# Requests in the zoo's own vocabulary (rooms, objects, people its generators use), but not from its training
+# set; each bundle renders them with its own prompt format (domain -> (task, request values) list).
+BENCH_REQUESTS = {
+    "planner": [("planner", {"instruction": s, "context": ""}) for s in (
         "take the white hammer from the bathroom to Eve in the kitchen",
         "store the screwdriver from the living room in the cabinet, then put the apple from the laundry room on the bed",
         "give the red box from the workshop to Carol in the bedroom",
         "take the plastic toy out of the fridge in the office and put it on the sink",
     )],
-    "action": [action_prompt(s, o) for s, o in (
+    "action": [("action", {"instruction": s, "observation": format_observation(o)}) for s, o in (
         ("put down the white charger on the tray", [0.24, 0.23, 0.27, 0.39, 0.0, 0.38, 0.28, 0.02]),
         ("lift the metal apple", [0.30, -0.26, 0.11, -0.03, 0.0, 0.30, -0.26, 0.05]),
     )],
-    "text": [text_prompt(s) for s in ("To be, or not to be", "Now is the winter of our discontent")],
+    "text": [("text", {"text": s}) for s in ("To be, or not to be", "Now is the winter of our discontent")],
 }
+
+
+def bench_prompts(fmt: PromptFormat, domains=tuple(BENCH_REQUESTS)) -> Dict[str, List[str]]:
+    """The prompts of `domains` in the prompt format `fmt` (a bundle's `session.prompts`)."""
+    return {d: [fmt.render(task, **values) for task, values in BENCH_REQUESTS[d]] for d in domains}
 
 
 CONTROL = "none (control)"  # plain decoding measured a second time, as if it were a drafter
@@ -62,8 +77,12 @@ def register(sub) -> None:
                    help="comma-separated drafters to compare (default none,ngram,draft_model); 'none' (plain "
                         "decoding) is always run as the baseline, and again as the control row")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt, >= 1 (default 64)")
-    p.add_argument("--domains", default=",".join(BENCH_PROMPTS),
-                   help=f"comma-separated prompt sets to run, of {', '.join(BENCH_PROMPTS)} (default all)")
+    p.add_argument("--domains", help=f"comma-separated prompt sets to run, of {', '.join(BENCH_REQUESTS)} in the "
+                                     "bundle's prompt format, and 'file' for --prompts (default: all those the bundle "
+                                     "has templates for, or only 'file' when --prompts is given)")
+    p.add_argument("--prompts", metavar="FILE",
+                   help="your own prompts, one per line, used verbatim (already in the model's prompt format; a "
+                        "literal \\n in a line is a newline): the prompt set 'file'")
     p.add_argument("--rounds", "--repeats", dest="rounds", type=int, default=3,
                    help="interleaved rounds, >= 1 (default 3): each round runs every prompt under every "
                         "configuration back to back; the speedup is the median of the per-round ratios")
@@ -72,17 +91,20 @@ def register(sub) -> None:
                         "configuration runs at each")
     p.add_argument("--seed", type=int, help="RNG seed for sampling, >= 0 (default 0); round r, prompt i use seed + "
                                             "1000 r + i in every configuration")
+    p.add_argument("--peers", default="",
+                   help="comma-separated peers to run on the same weights and prompts, greedy only, interleaved "
+                        "with edgespec: hf, hf_assisted, hf_lookup (transformers), ortgenai, ortgenai_draft, "
+                        "ortgenai_ngram (onnxruntime-genai), or 'all'; needs the workstation packages and the HF "
+                        "folders below. A peer that cannot run gets a row saying why")
+    p.add_argument("--peer-target", metavar="DIR",
+                   help="HF folder of the target the peers load (default: zoo/target for the zoo bundle, "
+                        "build/standin for the stand-in)")
+    p.add_argument("--peer-draft", metavar="DIR", help="HF folder of the draft model for the draft-model peers "
+                                                     "(default: zoo/draft for the zoo bundles)")
+    p.add_argument("--plot", metavar="DIR", help="also write PNGs into DIR (needs matplotlib): speedup per drafter "
+                                                 "and domain with its spread, tau vs draft length, time per cycle")
     p.add_argument("--json", action="store_true", help="print one JSON list of rows instead of the table")
     p.set_defaults(func=run)
-
-
-def split_list(flag: str, text: str, known) -> List[str]:
-    """The names of a comma-separated flag, each one of `known`, or a ConfigError naming the flag."""
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in known]
-    if not names or unknown:
-        raise ConfigError(f"{flag}: got {text!r}, expected a comma-separated list of {sorted(known)}")
-    return names
 
 
 def parse_temperatures(text: str) -> List[float]:
@@ -95,49 +117,43 @@ def parse_temperatures(text: str) -> List[float]:
     return temps
 
 
-@dataclass
-class Tally:
-    """One configuration at one temperature: totals over all rounds, and tok/s of each round."""
-    round_tokens: List[int] = field(default_factory=list)  # (rounds,)
-    round_wall: List[float] = field(default_factory=list)  # (rounds,) seconds
-    cycles: int = 0
-    tau_sum: float = 0.0
-    prefill: float = 0.0
-    draft: float = 0.0
-    verify: float = 0.0
-    other: float = 0.0
-    outputs: List[List[int]] = field(default_factory=list)  # token ids of every (round, prompt)
-
-    def add(self, r: int, res) -> None:
-        s = res.stats
-        if len(self.round_tokens) <= r:
-            self.round_tokens.append(0)
-            self.round_wall.append(0.0)
-        self.round_tokens[r] += s.tokens
-        self.round_wall[r] += s.wall_s
-        self.cycles += s.cycles
-        self.tau_sum += s.tau * s.cycles
-        self.prefill += s.prefill_s
-        self.draft += s.draft_s
-        self.verify += s.verify_s
-        self.other += s.other_s
-        self.outputs.append(list(res.token_ids))
-
-    def round_tps(self) -> List[float]:
-        return [t / w for t, w in zip(self.round_tokens, self.round_wall)]
+def read_prompts(path: str) -> List[str]:
+    """The prompts of a --prompts file: one per non-empty line, a literal \\n turned into a newline."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--prompts: cannot read {path}: {exc}")
+    prompts = [line.replace("\\n", "\n") for line in lines if line.strip()]
+    if not prompts:
+        raise ConfigError(f"--prompts: {path} has no prompt (expected one per line)")
+    return prompts
 
 
-def paired_speedup(tps: List[float], base_tps: List[float]) -> Dict[str, object]:
-    """Median, min and max of the per-round ratios tps[r] / base_tps[r].
-
-    >>> paired_speedup([80, 84, 30], [40, 38, 20])["speedup"]
-    2.0"""
-    ratios = [a / b for a, b in zip(tps, base_tps)]
-    return {"speedup": statistics.median(ratios), "speedup_min": min(ratios), "speedup_max": max(ratios),
-            "speedup_per_round": ratios}
+def weight_bytes_per_forward(session) -> int:
+    """Target weight bytes one forward reads (its layers and LM head; the embedding is one row per token)."""
+    body, head = memory.weight_bytes(session.plan_inputs.target, session.plan_inputs.precision,
+                                     session.plan_inputs.head_precision)
+    return body + head
 
 
-def row(label: str, drafter: str, temp: float, t: Tally, base: Tally, session, bundle_name: str) -> Dict[str, object]:
+def near_tie(session, prompt_ids: List[int], plain: List[int], other: List[int]) -> Dict[str, object]:
+    """Where a greedy output first differs from plain decoding's, and the target's logit gap there between
+    the two tokens (a gap of ~1e-6 is a float near-tie: batched and one-token forwards round differently)."""
+    j = next((i for i, (a, b) in enumerate(zip(plain, other)) if a != b), min(len(plain), len(other)))
+    out: Dict[str, object] = {"position": j, "plain_token": plain[j] if j < len(plain) else None,
+                              "other_token": other[j] if j < len(other) else None}
+    if out["plain_token"] is None or out["other_token"] is None:
+        return out  # one stopped (EOS) where the other went on: the EOS logit decided it
+    ids = np.asarray(list(prompt_ids) + list(plain[:j]), np.int64)
+    session.target.reset()
+    logits = session.target.forward(ids, np.arange(len(ids)), None, ()).logits[-1]
+    out["logit_gap"] = float(logits[plain[j]] - logits[other[j]])
+    return out
+
+
+def row(label: str, drafter: str, temp: float, t: Tally, base: Tally, session, bundle_name: str,
+        by_domain: Dict[str, Tuple[Tally, Tally]], bytes_per_forward: int) -> Dict[str, object]:
     cyc = max(t.cycles, 1)
     decode_wall = sum(t.round_wall) - t.prefill
     greedy = temp == 0.0
@@ -149,7 +165,13 @@ def row(label: str, drafter: str, temp: float, t: Tally, base: Tally, session, b
         "tau": t.tau_sum / cyc if t.cycles else 1.0,
         "ms_per_cycle": 1e3 * decode_wall / cyc, "draft_ms": 1e3 * t.draft / cyc,
         "verify_ms": 1e3 * t.verify / cyc, "other_ms": 1e3 * t.other / cyc,
+        "ttft_ms": 1e3 * t.prefill / max(t.requests, 1),  # mean time to first token (= prefill) per request
+        "prefix_reused": t.prefix_tokens / max(t.prompt_tokens, 1),  # share of prompt tokens the prefix cache kept
         "memory_mib": session.memory_in_use() / 2**20,
+        "acceptance_by_depth": t.acceptance_by_depth(),
+        "target_gb_per_s": bytes_per_forward * t.forwards / sum(t.round_wall) / 1e9,  # target weights read
+        "by_domain": {d: {"tokens_per_s": statistics.median(dt.round_tps()), "tau": dt.tau_sum / dt.cycles if dt.cycles else 1.0,
+                          **paired_speedup(dt.round_tps(), db.round_tps())} for d, (dt, db) in by_domain.items()},
         # sampled outputs legitimately differ between drafters (each consumes the RNG its own way)
         "identical_to_plain": t.outputs == base.outputs if greedy else None,
     }
@@ -160,40 +182,85 @@ def run(args) -> int:
     if args.rounds < 1:
         raise ConfigError(f"--rounds: got {args.rounds}, expected >= 1")
     temps = parse_temperatures(args.temperatures)
-    domains = split_list("--domains", args.domains, BENCH_PROMPTS)
     bundle = bundle_io.load(cfg.bundle, verify_checksums=False)  # the names are checked before anything runs
+    fmt = prompt_format(bundle, Tokenizer(bundle.path(bundle.tokenizer)))
+    own = {"file": read_prompts(args.prompts)} if args.prompts else {}
+    if args.domains is None:
+        domains = list(own) or [d for d in BENCH_REQUESTS if fmt.has(d)]
+    else:
+        domains = split_list("--domains", args.domains, [*BENCH_REQUESTS, *own])
+        for d in domains:
+            if d not in own:
+                fmt.template(d)  # a BundleError saying what to add when the bundle has no template for it
     names = split_list("--drafters", args.drafters, set(DRAFTER_CHOICES) | set(bundle.drafters))
     names = ["none"] + [n for n in dict.fromkeys(names) if n != "none"]
     configs = {n: n for n in names}
     configs[CONTROL] = "none"
-    prompts = [p for d in domains for p in BENCH_PROMPTS[d]]
+    sets = {**bench_prompts(fmt, [d for d in domains if d not in own]), **own}
+    prompts = [(d, p) for d in domains for p in sets[d]]  # (domain, text)
+    wanted_peers = peer_request(args, bundle.name)
+    bandwidth = measure_bandwidth(128 << 20, 3)  # the bound this run's tok/s is read against, measured in the run
     sessions = {label: Session(replace(cfg, drafter=replace(cfg.drafter, kind=kind))) for label, kind in configs.items()}
+    peers: Dict[str, object] = {}
     try:
+        peers, unavailable = open_peers(wanted_peers, sessions["none"].engine.eos)
+        prompt_ids = [sessions["none"].tokenizer.encode(p) for _, p in prompts]
+        max_tokens = cfg.generation.max_tokens
         for s in sessions.values():
-            s.generate(prompts[0], GenerationParams(max_tokens=4))  # warm-up (caches, allocations)
-        tallies = {(label, t): Tally() for label in configs for t in temps}
-        labels = list(configs)
+            s.generate(prompts[0][1], GenerationParams(max_tokens=4))  # warm-up (caches, allocations)
+        for name in list(peers):  # a peer that fails here (its library refuses the model) becomes a row saying why
+            try:
+                run_peer(peers[name], prompt_ids[0], 4)
+            except Exception as exc:  # noqa: BLE001 - any peer library error; edgespec's own rows go on
+                unavailable[name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
+                peers.pop(name).close()
+        labels = list(configs) + list(peers)  # peers run at temperature 0 only (their output is checked)
+        tallies = {(label, t, d): Tally() for label in labels for t in temps for d in ["all"] + domains}
         start = time.perf_counter()
         for r in range(args.rounds):
             for t in temps:
-                for i, prompt in enumerate(prompts):
-                    params = GenerationParams(max_tokens=cfg.generation.max_tokens, temperature=t,
+                for i, (domain, prompt) in enumerate(prompts):
+                    params = GenerationParams(max_tokens=max_tokens, temperature=t,
                                               seed=cfg.generation.seed + 1000 * r + i)
                     k = (r * len(prompts) + i) % len(labels)  # rotated, so no configuration always runs first
                     for label in labels[k:] + labels[:k]:  # back to back: A B C, B C A, ...
-                        tallies[label, t].add(r, sessions[label].generate(prompt, params))
+                        if label in peers and t != 0.0:
+                            continue
+                        res = (run_peer(peers[label], prompt_ids[i], max_tokens) if label in peers
+                               else sessions[label].generate(prompt, params))
+                        tallies[label, t, "all"].add(r, res)
+                        tallies[label, t, domain].add(r, res)
             done = time.perf_counter() - start
             print(f"bench: round {r + 1}/{args.rounds} done, {done:.0f} s, ETA {done / (r + 1) * (args.rounds - r - 1):.0f} s",
                   file=sys.stderr, flush=True)
-        table = [row(label, kind, t, tallies[label, t], tallies["none", t], sessions[label], bundle.name)
-                 for t in temps for label, kind in configs.items()]
+        per_forward = weight_bytes_per_forward(sessions["none"])
+        table = []
+        for t in temps:
+            for label, kind in configs.items():
+                tally, base = tallies[label, t, "all"], tallies["none", t, "all"]
+                by_domain = {d: (tallies[label, t, d], tallies["none", t, d]) for d in domains}
+                table.append(row(label, kind, t, tally, base, sessions[label], bundle.name, by_domain, per_forward))
+                if table[-1]["identical_to_plain"] is False:
+                    n = next(n for n, (a, b) in enumerate(zip(base.outputs, tally.outputs)) if a != b)
+                    table[-1]["near_tie"] = dict(near_tie(sessions["none"], prompt_ids[n % len(prompts)],
+                                                          base.outputs[n], tally.outputs[n]), prompt=n % len(prompts))
+        for r in table:
+            r["bandwidth_bound_gb_per_s"] = bandwidth / 1e9
+        if 0.0 in temps:
+            table += peer_rows(peers, unavailable, {(k[0], k[1]): v for k, v in tallies.items() if k[2] == "all"},
+                               table, bundle.name)
     finally:
         for s in sessions.values():
             s.close()
+        for peer in peers.values():
+            peer.close()
     if args.json:
         print(json.dumps(table))
     else:
-        print_table(table, bundle.name, prompts, domains, cfg, args.rounds)
+        print_table(table, bundle.name, [p for _, p in prompts], domains, cfg, args.rounds)
+    if args.plot:
+        for path in write_plots(table, args.plot):
+            print(f"bench: wrote {path}", file=sys.stderr)
     return 0 if all(t["identical_to_plain"] is not False for t in table) else 1
 
 
@@ -203,16 +270,44 @@ def print_table(table: List[Dict[str, object]], bundle_name: str, prompts, domai
           f"{len(prompts)} prompts ({','.join(domains)}), max_tokens={cfg.generation.max_tokens}, "
           f"backend={table[0]['backend']}, {rounds} interleaved rounds; speedup = median of per-round tok/s ratios "
           "to 'none' [min-max]")
-    print(f"{'drafter':17s} {'T':>4s} {'tok/s':>7s} {'speedup':>8s} {'[min-max]':>12s} {'tau':>5s} {'ms/cycle':>9s} "
-          f"{'draft':>7s} {'verify':>7s} {'other':>7s} {'MiB':>6s}  identical")
+    print(f"{'drafter':17s} {'T':>4s} {'tok/s':>7s} {'speedup':>8s} {'[min-max]':>12s} {'tau':>5s} {'accept d1-4':>15s} "
+          f"{'ms/cycle':>9s} {'draft':>7s} {'verify':>7s} {'other':>7s} {'TTFT ms':>8s} {'GB/s':>6s} {'MiB':>6s}  identical")
     for t in table:
+        if t.get("peer"):
+            continue
         label = t["label"] + (" *" if standin else "")
         ident = {True: "yes", False: "NO", None: "n/a"}[t["identical_to_plain"]]
+        acc = " ".join(f"{a:.2f}"[1:] if a < 1 else "1.0" for a in t["acceptance_by_depth"][:4]) or "-"
         print(f"{label:17s} {t['temperature']:4.1f} {t['tokens_per_s']:7.1f} {t['speedup']:7.2f}x "
               f"{'[' + format(t['speedup_min'], '.2f') + '-' + format(t['speedup_max'], '.2f') + ']':>12s} "
-              f"{t['tau']:5.2f} {t['ms_per_cycle']:9.2f} {t['draft_ms']:7.2f} {t['verify_ms']:7.2f} "
-              f"{t['other_ms']:7.2f} {t['memory_mib']:6.1f}  {ident}")
+              f"{t['tau']:5.2f} {acc:>15s} {t['ms_per_cycle']:9.2f} {t['draft_ms']:7.2f} {t['verify_ms']:7.2f} "
+              f"{t['other_ms']:7.2f} {t['ttft_ms']:8.2f} {t['target_gb_per_s']:6.1f} {t['memory_mib']:6.1f}  {ident}")
+    for t in table:
+        tie = t.get("near_tie")
+        if tie:
+            gap = f"the target's logit gap between the two is {tie['logit_gap']:.2e}" if "logit_gap" in tie else \
+                "one output stopped (EOS) where the other went on"
+            print(f"{t['label']} T={t['temperature']:g}: greedy output differs from plain decoding at prompt "
+                  f"{tie['prompt']}, token {tie['position']} ({tie['plain_token']} vs {tie['other_token']}); {gap}"
+                  " (a gap near 1e-6 is a float near-tie between a batched and a one-token forward)")
     if standin:
         print("* stand-in rows: the target is the zoo target widened with zero weights (edgespec zoo standin); tau is "
               "the zoo's, tok/s is a wider model's")
-    print(f"'{CONTROL}' is plain decoding measured again like a drafter: its spread is this run's noise")
+    print(f"GB/s: target weight bytes read per second (its layers and LM head per forward, prefills included); this "
+          f"machine's streaming bound measured in this run: {table[0]['bandwidth_bound_gb_per_s']:.1f} GB/s (numpy copy)")
+    print(f"'{CONTROL}' is plain decoding measured again like a drafter: its spread is this run's noise; TTFT: mean "
+          f"prefill per request, the prefix cache keeping {table[0]['prefix_reused']:.0%} of prompt tokens "
+          f"(memory.prefix_cache: {cfg.memory.prefix_cache})")
+    peers = [t for t in table if t.get("peer")]
+    if peers:
+        print("\npeers, same weights and prompts, greedy, interleaved with the rows above (speedup: over edgespec's "
+              "plain decoding; edgespec/peer: edgespec's best greedy row over the peer, median of per-round ratios)")
+        print(f"{'peer':24s} {'tok/s':>7s} {'speedup':>8s} {'tau':>5s} {'edgespec/peer':>14s}  identical")
+        for t in peers:
+            if "unavailable" in t:
+                print(f"{t['label']:24s} unavailable: {t['unavailable']}")
+                continue
+            tau = f"{t['tau']:5.2f}" if t["tau"] else "    -"
+            ident = {True: "yes", False: "NO", None: "n/a"}[t["identical_to_plain"]]
+            print(f"{t['label']:24s} {t['tokens_per_s']:7.1f} {t['speedup']:7.2f}x {tau} "
+                  f"{t['edgespec_best_over_peer']:13.2f}x  {ident}   ({t['edgespec_best']})")

@@ -5,14 +5,15 @@ import argparse
 import math
 import sys
 import time
-from typing import List
+from typing import List, Tuple
 
 from runtime.certify import certify, choose_contexts, dedup_siblings, forget_residual
 from runtime.commands.common import add_model_args, runtime_config
 from runtime.errors import ConfigError
-from runtime.prompts import action_prompt, planner_prompt, text_prompt
+from runtime.prompts import format_observation
 from runtime.sampling import SamplingParams
 from runtime.session import Session
+from runtime.templates import PromptFormat
 
 HELP = """Prove on this machine that speculative decoding leaves the target's distribution unchanged.
 
@@ -36,16 +37,25 @@ example:
   edgespec certify --drafter draft_model --temperature 0.8 --draws 20000
 """
 
-SEEDS = [
-    ("planner", planner_prompt("give the red box from the workshop to Carol in the bedroom")),
-    ("planner", planner_prompt("bring two apples from the kitchen to the office")),
-    ("planner", planner_prompt("open the fridge and put the milk on the table")),
-    ("planner", planner_prompt("pick up the blue mug in the kitchen and hand it to Dave")),
-    ("planner", planner_prompt("put three forks in the drawer")),
-    ("planner", planner_prompt("close the cabinet in the bathroom")),
-    ("text", text_prompt("To be, or not to be")),
-    ("action", action_prompt("lift the metal apple", [0.30, -0.26, 0.11, -0.03, 0.0, 0.30, -0.26, 0.05])),
+# (domain, task, request values) the context search starts from, rendered in the bundle's prompt format.
+SEED_REQUESTS = [("planner", "planner", {"instruction": s, "context": ""}) for s in (
+    "give the red box from the workshop to Carol in the bedroom",
+    "bring two apples from the kitchen to the office",
+    "open the fridge and put the milk on the table",
+    "pick up the blue mug in the kitchen and hand it to Dave",
+    "put three forks in the drawer",
+    "close the cabinet in the bathroom")] + [
+    ("text", "text", {"text": "To be, or not to be"}),
+    ("action", "action", {"instruction": "lift the metal apple",
+                          "observation": format_observation([0.30, -0.26, 0.11, -0.03, 0.0, 0.30, -0.26, 0.05])}),
 ]
+
+
+def seeds(fmt: PromptFormat) -> List[Tuple[str, str]]:
+    """(domain, prompt text) of every seed request the prompt format has a template for."""
+    return [(domain, fmt.render(task, **values)) for domain, task, values in SEED_REQUESTS if fmt.has(task)]
+
+
 MIN_USEFUL_DRAWS = 1000
 
 
@@ -136,7 +146,7 @@ def run_configuration(session, args, params: SamplingParams, width: int) -> str:
     if args.context:
         contexts = list(args.context)
     else:
-        contexts = choose_contexts(session, SEEDS, params, horizon=40, rollouts=3)
+        contexts = choose_contexts(session, seeds(session.prompts), params, horizon=40, rollouts=3)
     print(f"\n== {shape}: {len(contexts)} contexts"
           + ("" if args.context else f" (searched in {time.perf_counter() - t0:.1f} s)"))
     print(f"{'context':64s} {'draws':>6s} {'p(t1)':>8s} {'p(t1,t2)':>9s} {'tau':>5s}  verdict")

@@ -8,17 +8,19 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import replace
+from typing import List
 
 from runtime.bundle import MANIFEST
 from runtime.config import RuntimeConfig, load_config, override
-from runtime.errors import BundleError
+from runtime.errors import BundleError, ConfigError
 from runtime.session import GenerationParams
 
 DEFAULT_BUNDLE = RuntimeConfig().bundle  # relative: resolved by `resolve_bundle_dir`
 
 # flag attribute -> config key it sets (sampling keys only where the command defines the flag)
 MODEL_FLAGS = {"backend": "backend.kind", "drafter": "drafter.kind", "num_draft": "drafter.num_tokens",
-               "branching": "drafter.branching", "max_context": "memory.max_context"}
+               "branching": "drafter.branching", "max_context": "memory.max_context",
+               "prefix_cache": "memory.prefix_cache"}
 SAMPLING_FLAGS = {"max_tokens": "generation.max_tokens", "temperature": "generation.temperature",
                   "top_p": "generation.top_p", "top_k": "generation.top_k", "seed": "generation.seed"}
 
@@ -54,7 +56,7 @@ def add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
     g.add_argument("--bundle", help=f"bundle directory, relative to the working directory (default: {DEFAULT_BUNDLE} "
                                     "under $EDGESPEC_ROOT, else under the edgespec source tree; built by "
                                     "`make bundles`)")
-    g.add_argument("--backend", choices=["auto", "numpy_ref", "onnx"],
+    g.add_argument("--backend", choices=["auto", "numpy_ref", "onnx", "tensorrt"],
                    help="backend to run the target on (default auto: onnx where onnxruntime is installed and the "
                         "bundle has ONNX graphs, else numpy_ref, the exact but slow oracle)")
     if drafter:
@@ -63,6 +65,9 @@ def add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
     g.add_argument("--num-draft", type=int, help="draft tokens per branch per cycle, 1..64 (default 4)")
     g.add_argument("--branching", type=int, help="branches per tree node, 1..16 (default 1 = a chain)")
     g.add_argument("--max-context", type=int, help="KV positions per model, 16..1048576 (default 2048)")
+    g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False,
+                   help="prefill every prompt in full (default: keep the K/V of the prefix shared with the "
+                        "previous request; exact either way)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -93,3 +98,12 @@ def generation_params(cfg: RuntimeConfig) -> GenerationParams:
     g = cfg.generation
     return GenerationParams(max_tokens=g.max_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                             min_p=g.min_p, repetition_penalty=g.repetition_penalty, seed=g.seed, stop=g.stop)
+
+
+def split_list(flag: str, text: str, known) -> List[str]:
+    """The names of a comma-separated flag, each one of `known`, or a ConfigError naming the flag."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if not names or unknown:
+        raise ConfigError(f"{flag}: got {text!r}, expected a comma-separated list of {sorted(known)}")
+    return names

@@ -6,9 +6,12 @@ import argparse
 import json
 import os
 import time
+from dataclasses import replace
+from typing import Dict, Tuple
 
 from runtime import memory
 from runtime.commands.common import edgespec_root, runtime_config
+from runtime.commands.memory_plot import write_plan_plot
 from runtime.config import override
 from runtime.errors import BundleError, ConfigError
 from runtime.session import GenerationParams, Session
@@ -34,7 +37,7 @@ def register(sub) -> None:
     src.add_argument("--config", help="the target's HF config.json (e.g. configs/models/qwen3-1.7b.json)")
     plan.add_argument("--drafter-config", help="a drafter's HF config.json (a draft model or an EAGLE-3 head)")
     plan.add_argument("--drafter", help="with --bundle: the bundle drafter to plan (default: the bundle's)")
-    plan.add_argument("--backend", choices=["numpy_ref", "onnx"], default="onnx",
+    plan.add_argument("--backend", choices=["numpy_ref", "onnx", "tensorrt"], default="onnx",
                       help="with --bundle: the backend it runs on (default onnx)")
     add_device_args(plan)
     plan.add_argument("--precision", choices=["fp16", "int8", "int4"], default="fp16",
@@ -45,11 +48,13 @@ def register(sub) -> None:
     plan.add_argument("--num-draft", type=int, default=4, help="draft tokens per cycle (verify tree size), default 4")
     plan.add_argument("--prefill-chunk", type=int, default=256,
                       help="with --config: tokens per prefill forward (default 256)")
+    plan.add_argument("--plot", metavar="FILE.png", help="also write a PNG (needs matplotlib): the budget as a "
+                                                          "stacked bar, and max context vs budget per drafter")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(func=run_plan)
     prof = cmds.add_parser("profile", help="load a bundle, run a request at a context, compare the peak to the plan")
     prof.add_argument("--bundle", help="bundle directory (default: the zoo)")
-    prof.add_argument("--backend", choices=["auto", "numpy_ref", "onnx"], help="backend (default auto)")
+    prof.add_argument("--backend", choices=["auto", "numpy_ref", "onnx", "tensorrt"], help="backend (default auto)")
     prof.add_argument("--drafter", help="drafter (default: the bundle's)")
     prof.add_argument("--context", type=int, default=1024, help="positions: the prompt fills them but --max-tokens")
     prof.add_argument("--max-tokens", type=int, default=32, help="tokens generated after the prompt (default 32)")
@@ -74,7 +79,8 @@ def _positive(flag: str, value) -> None:
         raise ConfigError(f"{flag}: got {value}, expected an integer >= 1")
 
 
-def plan_inputs(args) -> memory.PlanInputs:
+def plan_inputs(args) -> Tuple[memory.PlanInputs, Dict[str, memory.PlanInputs]]:
+    """The inputs to plan, and those of each drafter choice (for --plot's curves)."""
     _positive("--num-draft", args.num_draft)
     if args.bundle:
         from runtime import bundle as bundle_io
@@ -83,20 +89,28 @@ def plan_inputs(args) -> memory.PlanInputs:
                               "builds build/bundles/zoo)")
         b = bundle_io.load(args.bundle, verify_checksums=False)
         drafter = args.drafter or b.default_drafter
-        return memory.bundle_inputs(b, drafter, args.backend, args.num_draft + 1)
+        choices = {d: memory.bundle_inputs(b, d, args.backend, args.num_draft + 1) for d in ["none", *b.drafters]}
+        return memory.bundle_inputs(b, drafter, args.backend, args.num_draft + 1), choices
     _positive("--prefill-chunk", args.prefill_chunk)
     draft = memory.read_hf_config(args.drafter_config) if args.drafter_config else None
-    return memory.PlanInputs(target=memory.read_hf_config(args.config), drafter=draft, precision=args.precision,
-                             head_precision=args.head_precision, tree_tokens=args.num_draft + 1,
-                             prefill_tokens=args.prefill_chunk, fused_attention=True)
+    inp = memory.PlanInputs(target=memory.read_hf_config(args.config), drafter=draft, precision=args.precision,
+                            head_precision=args.head_precision, tree_tokens=args.num_draft + 1,
+                            prefill_tokens=args.prefill_chunk, fused_attention=True)
+    choices = {"target alone": replace(inp, drafter=None, tree_tokens=1)}
+    if draft is not None:
+        choices[f"+ {os.path.basename(args.drafter_config)}"] = inp
+    return inp, choices
 
 
 def run_plan(args) -> int:
     device = memory.load_device(args.device, devices_dir())
     budget = memory.parse_budget(args.budget) if args.budget else memory.device_budget(device)
-    inp = plan_inputs(args)
+    inp, choices = plan_inputs(args)
     _positive("--context", args.context)
     plan = memory.make_plan(inp, budget, args.context)
+    if args.plot:
+        src = args.bundle or os.path.basename(args.config)
+        write_plan_plot(args.plot, plan, choices, f"edgespec memory plan: {src} on {device.name}")
     levers = memory.levers(inp, budget, plan.context)
     roof_ctx = min(plan.context, 1024)
     roof = memory.projected_decode(inp, roof_ctx, device.bandwidth_gbs)
@@ -149,9 +163,6 @@ def run_profile(args) -> int:
     end = process_memory()
     plan = memory.make_plan(session.plan_inputs, max(session.budget_bytes, 1), args.context)
     planned = plan.total - plan.row("headroom")
-    measured = {"target weights": getattr(session.target, "weight_bytes", None),
-                "drafter weights": session.drafter.memory_bytes if session.drafter else None,
-                "runtime overhead": start["VmRSS"]}
     kv_planned = plan.row("target KV") + plan.row("drafter KV")
     roof = memory.projected_decode(session.plan_inputs, args.context, device.bandwidth_gbs, tau=stats.tau,
                                    num_draft=cfg.drafter.num_tokens)

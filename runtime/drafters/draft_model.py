@@ -4,38 +4,33 @@ with its own q.
 
 Its KV cache is a view into the same arena as the target's, so it counts against the one budget. The
 cache follows the committed tokens lazily: before drafting, the longest common prefix of what the
-cache holds and the context is kept and only the rest (usually the root plus a token or two) is run."""
+cache holds and the context is kept and only the rest (usually the root plus a token or two) is run.
+The same rule carries the draft cache across requests when the target reuses a prompt prefix."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from runtime.backends.base import TargetBackend
-from runtime.drafters.base import DraftContext, Drafter
+from runtime.drafters.base import DraftContext, Drafter, common_prefix_len
 from runtime.sampling import SamplingParams, process_logits, sample
 from runtime.siblings import Siblings, draw_siblings, top_k
 from runtime.tree import DraftTree, empty_tree
 
 
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def pick_children(logits: np.ndarray, q: np.ndarray, params: SamplingParams, history: Sequence[int],
-                  width: int, rng: np.random.Generator, rule: Callable = draw_siblings) -> Siblings:
+                  width: int, rng: np.random.Generator, rule: Callable = draw_siblings,
+                  mask: Optional[np.ndarray] = None) -> Siblings:
     """Children of one node. Greedy -> the top-`width` tokens as point masses; sampled -> `rule` (the one
-    sibling rule of `runtime.siblings`: distinct draws, each with the proposal it was drawn from)."""
+    sibling rule of `runtime.siblings`: distinct draws, each with the proposal it was drawn from).
+    `mask`: the grammar's allowed tokens at this node (q is already masked by it)."""
     if params.greedy:
         if width == 1:
             return Siblings(np.asarray([int(np.argmax(q))], np.int64), None)
         # q is one-hot under greedy; rank by the masked, penalised distribution at temperature 1.
-        soft = process_logits(logits, replace(params, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0), history)
+        soft = process_logits(logits, replace(params, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0), history, mask)
         return top_k(soft, width)
     return rule(q, width, rng)
 
@@ -57,8 +52,13 @@ class DraftModelDrafter(Drafter):
     def memory_bytes(self) -> int:
         return int(getattr(self.model, "weight_bytes", 0))
 
-    def begin(self, prompt, taps) -> None:
-        self.reset()
+    def begin(self, prompt, taps, start: int = 0) -> None:
+        if not start:
+            self.reset()
+        # else: the target kept a prefix; `propose` keeps what the draft cache shares with the context
+
+    def reusable_prefix(self, n: int) -> int:
+        return n  # reads no target taps
 
     def reset(self) -> None:
         self.model.reset()
@@ -69,8 +69,9 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         context = list(ctx.tokens)
-        keep = min(common_prefix_len(self.cached, context), len(context) - 1)
+        keep = min(common_prefix_len(self.cached, context), len(context) - 1, self.model.cache_len)
         self.model.keep(keep, [])
+        self.cached = self.cached[:keep]  # (set again below; right also if the forward fails)
         room = self.model.max_cache_len - len(context)  # rows left for drafted nodes
         depth = min(self.k, ctx.max_nodes // self.branching, 1 + room // self.branching)
         logits = self._run(context[keep:], np.arange(keep, len(context)))[-1]
@@ -81,8 +82,9 @@ class DraftModelDrafter(Drafter):
         if depth <= 0:
             return empty_tree()
         params = ctx.params
-        q0 = process_logits(logits, params, context)
-        firsts = pick_children(logits, q0, params, context, self.branching, ctx.rng, self.sibling_rule)
+        mask0 = ctx.mask(())
+        q0 = process_logits(logits, params, context, mask0)
+        firsts = pick_children(logits, q0, params, context, self.branching, ctx.rng, self.sibling_rule, mask0)
         deterministic = firsts.deterministic
         tokens: List[int] = firsts.tokens.tolist()
         parents: List[int] = [-1] * len(tokens)
@@ -102,8 +104,8 @@ class DraftModelDrafter(Drafter):
                 self._node_rows[node] = start + j
             new_frontier = []
             for j, node in enumerate(frontier):
-                history = context + [tokens[a] for a in self._path(parents, node)]
-                q = process_logits(out[j], params, history)
+                path = [tokens[a] for a in self._path(parents, node)]
+                q = process_logits(out[j], params, context + path, ctx.mask(path))
                 t = int(np.argmax(q)) if params.greedy else sample(q, ctx.rng)
                 new_frontier.append(len(tokens))
                 tokens.append(t)

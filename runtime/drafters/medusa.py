@@ -137,8 +137,9 @@ class MedusaDrafter(Drafter):
         self.num_heads, self.num_layers = medusa_layout(weights, source, hidden, vocab)
         f32 = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()}
         L = self.num_layers
-        self.blocks = [[(f32[f"{h}.{l}.linear.weight"], f32[f"{h}.{l}.linear.bias"]) for l in range(L)]
-                       for h in range(self.num_heads)]
+        # stacked over heads, so that one cycle's drafting is 2 batched products per layer, not 2 per head
+        self.w = [np.stack([f32[f"{h}.{l}.linear.weight"] for h in range(self.num_heads)]) for l in range(L)]  # (K, H, H)
+        self.b = [np.stack([f32[f"{h}.{l}.linear.bias"] for h in range(self.num_heads)]) for l in range(L)]  # (K, H)
         self.out = np.stack([f32[f"{h}.{L}.weight"] for h in range(self.num_heads)])  # (K, V, H)
         self.choices = resolve_tree(tree, min(self.num_heads, num_tokens))
         # children per node of the shape (the root is ()): how many siblings the sibling rule draws there
@@ -151,7 +152,7 @@ class MedusaDrafter(Drafter):
 
     @property
     def memory_bytes(self) -> int:
-        return int(self.out.nbytes + sum(w.nbytes + b.nbytes for head in self.blocks for w, b in head))
+        return int(self.out.nbytes + sum(w.nbytes + b.nbytes for w, b in zip(self.w, self.b)))
 
     def begin(self, prompt, taps) -> None:
         self.h = np.asarray(taps["final_norm"][-1], np.float32)
@@ -163,14 +164,11 @@ class MedusaDrafter(Drafter):
         self.h = None
 
     def head_logits(self, h: np.ndarray, depth: int) -> np.ndarray:
-        """(V,) logits of heads 0..depth-1 stacked: (depth, V)."""
-        rows = []
-        for k in range(depth):
-            x = h
-            for w, b in self.blocks[k]:
-                x = x + silu(w @ x + b)
-            rows.append(self.out[k] @ x)
-        return np.stack(rows)
+        """h (H,) -> logits of heads 0..depth-1: (depth, V)."""
+        x = np.broadcast_to(h, (depth, h.shape[0]))  # (depth, H)
+        for w, b in zip(self.w, self.b):
+            x = x + silu(np.einsum("khd,kd->kh", w[:depth], x) + b[:depth])
+        return np.einsum("kvh,kh->kv", self.out[:depth], x)
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         if self.h is None or ctx.max_nodes <= 0 or not self.choices:

@@ -36,6 +36,17 @@ def find_continuations(tokens: Sequence[int], max_n: int, min_n: int, k: int, br
     return []
 
 
+def allowed_prefix(branch: Sequence[int], ctx: DraftContext) -> List[int]:
+    """The longest prefix of `branch` the request's grammar allows. Example: branch (4, 9, 5) where the
+    grammar forbids 9 after 4 -> [4]."""
+    out: List[int] = []
+    for tok in branch:
+        if not ctx.mask(out)[int(tok)]:
+            break
+        out.append(int(tok))
+    return out
+
+
 def tree_from_branches(branches: Sequence[Sequence[int]]) -> DraftTree:
     """Merge token sequences into a prefix tree (shared prefixes become shared nodes)."""
     tokens: List[int] = []
@@ -64,11 +75,16 @@ class NgramDrafter(Drafter):
         self.min_n = min_n
         self.branching = branching
 
+    def reusable_prefix(self, n: int) -> int:
+        return n  # stateless: it reads only the context
+
     def propose(self, ctx: DraftContext) -> DraftTree:
         k = min(self.k, ctx.max_nodes)
         if k <= 0:
             return empty_tree()
         branches = find_continuations(ctx.tokens, self.max_n, self.min_n, k, self.branching)
+        if ctx.allowed is not None:  # under a grammar: cut each branch before its first impossible token
+            branches = [b for b in (allowed_prefix(b, ctx) for b in branches) if b]
         tree = tree_from_branches(branches)
         if len(tree) > ctx.max_nodes:
             tree = tree_from_branches(branches[:1])

@@ -3,11 +3,12 @@ diagnostics and parameters. One node process (tiny bundle, real runtime) serves 
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import pytest
 
-from tests.ros.conftest import connect, spin_all, start_node
+from tests.ros.conftest import ROOT, connect, spin_all, start_node
 
 NS = "/serve"
 PATH = f"{NS}/edgespec"
@@ -95,6 +96,16 @@ def test_a_request_past_its_deadline_returns_its_partial_result(served):
     assert 0 < resp.stats.tokens < LONG
 
 
+def test_a_plan_under_a_schema_follows_it_token_by_token(served):
+    client, _ = served
+    with open(os.path.join(ROOT, "configs", "plan_schema.json")) as f:
+        schema = f.read()
+    resp = client.plan(instruction="bring the red cup to the table", max_tokens=48, schema=schema)
+    assert resp.success, resp.message
+    assert resp.text.startswith('[{"skill":"')  # random weights, yet the answer is a plan so far
+    assert resp.plan_ok or resp.finish_reason == "max_tokens", (resp.text, resp.plan_error)
+
+
 @pytest.mark.parametrize("call, fields, field", [
     ("plan", dict(instruction=""), "instruction"),
     ("plan", dict(instruction="   "), "instruction"),
@@ -103,6 +114,8 @@ def test_a_request_past_its_deadline_returns_its_partial_result(served):
     ("plan", dict(instruction="bring the cup", max_tokens=100_000), "max_tokens"),
     ("plan", dict(instruction="bring the cup", temperature=float("nan")), "temperature"),
     ("plan", dict(instruction="bring the cup", deadline_s=float("inf")), "deadline_s"),
+    ("plan", dict(instruction="bring the cup", schema="{not json"), "schema"),
+    ("plan", dict(instruction="bring the cup", schema='{"type": "wat"}'), "schema"),
     ("action_tokens", dict(instruction="pick up the cup", observation=[0.1] * 3), "observation"),
     ("action_tokens", dict(instruction="pick up the cup", observation=[float("nan")] * 8), "observation"),
     ("action_tokens", dict(instruction="pick up the cup", num_actions=1000), "num_actions"),
@@ -200,8 +213,11 @@ def test_diagnostics_are_published_at_1hz_with_backend_drafter_memory_and_queue(
     assert values["state"] == "active"
     assert values["drafter"] == "draft_model" and values["backend"]
     assert int(values["memory_bytes"]) > 0
-    for key in ("tau_last", "queue_length", "requests_served", "requests_failed", "last_error"):
+    for key in ("tau_last", "queue_length", "requests_served", "requests_failed", "last_error", "ttft_last_s"):
         assert key in values
+    # earlier tests in this module sent requests: each one is a prefix-cache hit or a miss
+    assert int(values["prefix_cache_hits"]) + int(values["prefix_cache_misses"]) >= 1
+    assert int(values["prefix_cache_tokens_last"]) >= 0
 
 
 def test_stats_are_published_on_a_topic_after_each_request(served, client_node):
