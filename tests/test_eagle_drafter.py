@@ -165,3 +165,21 @@ def test_sampled_drafts_keep_the_first_two_tokens_law_and_a_wrong_rule_is_reject
         assert res.tau > 1.0  # drafts were made and sometimes accepted
     results = certify(s, contexts, T1, draws=DRAWS, alpha=ALPHA, seed=2, verifier=forget_residual)
     assert any(not r.passed for r in results), results
+
+
+@pytest.mark.parametrize("mode", ["eagle1_chain", "eagle2_tree", "eagle3_tree"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_drafts_follow_the_requests_grammar_mask(model, mode, temperature):
+    from runtime.drafters.base import DraftContext
+
+    kind, tree, branching = MODES[mode]
+    s = session(model, kind, tree, branching)
+    allowed = np.zeros(97, bool)
+    allowed[10:30] = True
+    prompt = [5, 6, 7, 8, 9]
+    res = s.target.forward(np.asarray(prompt), np.arange(5), None, s.drafter.target_taps)
+    s.drafter.begin(prompt, res.taps)
+    ctx = DraftContext(prompt + [12], SamplingParams(temperature=temperature), np.random.default_rng(0), 16,
+                       lambda path: allowed)
+    tree_ = s.drafter.propose(ctx)
+    assert len(tree_) and allowed[tree_.tokens].all()

@@ -255,8 +255,9 @@ class EagleDrafter(Drafter):
         if depth <= 0:
             return empty_tree()
         params = ctx.params
-        q0 = process_logits(root_logits, params, tokens)
-        firsts = pick_children(root_logits, q0, params, tokens, b, ctx.rng, self.sibling_rule)
+        mask0 = ctx.mask(())  # the request's grammar, applied to q exactly as to p
+        q0 = process_logits(root_logits, params, tokens, mask0)
+        firsts = pick_children(root_logits, q0, params, tokens, b, ctx.rng, self.sibling_rule, mask0)
         deterministic = firsts.deterministic
         out_tokens: List[int] = firsts.tokens.tolist()
         parents: List[int] = [-1] * len(out_tokens)
@@ -276,8 +277,8 @@ class EagleDrafter(Drafter):
             for j, node in enumerate(frontier):
                 rows[node] = start + j
                 hidden[node] = out[j]
-                history = tokens + [out_tokens[a] for a in self._path(parents, node)]
-                q = process_logits(logits[j], params, history)
+                path = [out_tokens[a] for a in self._path(parents, node)]
+                q = process_logits(logits[j], params, tokens + path, ctx.mask(path))
                 t = int(np.argmax(q)) if params.greedy else sample(q, ctx.rng)
                 new_frontier.append(len(out_tokens))
                 out_tokens.append(t)
@@ -294,9 +295,9 @@ class EagleDrafter(Drafter):
         hidden = {-1: h_root[0]}  # node -> h' of the row that predicted its children
         rows: Dict[int, int] = {}  # node -> its temporary cache row
 
-        def log_q(logits: np.ndarray, hist: List[int]) -> np.ndarray:
+        def log_q(logits: np.ndarray, path: List[int]) -> np.ndarray:
             with np.errstate(divide="ignore"):
-                return np.log(process_logits(logits, rank, hist))
+                return np.log(process_logits(logits, rank, tokens + path, ctx.mask(path)))
 
         def expand(frontier: List[int], toks: List[int], pars: List[int]) -> List[np.ndarray]:
             start = self.cache.length
@@ -309,10 +310,10 @@ class EagleDrafter(Drafter):
             for j, (n, path) in enumerate(zip(frontier, paths)):
                 rows[n] = start + j
                 hidden[n] = out[j]
-                res.append(log_q(logits[j], tokens + [toks[a] for a in path]))
+                res.append(log_q(logits[j], [toks[a] for a in path]))
             return res
 
-        toks, pars = dynamic_tree(expand, log_q(root_logits, tokens), tree, ctx.max_nodes)
+        toks, pars = dynamic_tree(expand, log_q(root_logits, []), tree, ctx.max_nodes)
         if not toks:
             return empty_tree()
         return DraftTree(tokens=np.asarray(toks, np.int64), parents=np.asarray(pars, np.int64))
