@@ -31,6 +31,8 @@ def register(sub) -> None:
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, metavar="DIR", help="HF directory of the target model")
     p.add_argument("--draft", metavar="DIR", help="HF directory of a separate draft model (same tokenizer)")
+    p.add_argument("--dflash", action="append", default=[], metavar="DIR",
+                   help="official DFlash or DFlash-2 drafter directory (z-lab layout); repeatable, one of each kind")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="bundle directory to write: new or empty (an existing bundle is replaced only with "
                         "--force; a directory holding anything else is refused); never an input or inside one")
@@ -68,7 +70,8 @@ def run(args) -> int:
     prompts = {"prompts_file": args.prompts, "chat_template_file": args.chat_template,
                "planner_file": args.planner_template, "action_file": args.action_template}
     out = build_bundle(args.target, args.out, args.draft, default_drafter=args.default_drafter, force=args.force,
-                       extend=add_backends, prompts={k: v for k, v in prompts.items() if v}, report=print)
+                       extend=add_backends, prompts={k: v for k, v in prompts.items() if v}, report=print,
+                       dflash_dirs=args.dflash)
     print(f"bundle: {out} ready ({', '.join(sorted(set(backends) | {'numpy_ref'}))}); tensor dtypes as stored:")
     for line in dtype_summary(out):
         print(f"  {line}")
