@@ -28,7 +28,7 @@ from runtime.tensors import write_safetensors
 from tests.hf_tiny import tiny_hf_model
 
 ALPHA = 1e-3
-DRAWS = 1000
+DRAWS = 800
 V, H, HEADS, KV_HEADS, HEAD_DIM, FF = 97, 64, 4, 2, 16, 96
 LAYER_IDS = [0, 2]
 
@@ -267,3 +267,34 @@ def test_control_handing_the_slot_marginal_instead_of_the_walk_q_is_rejected(tar
     spec, weights = target
     results = certify(session(spec, weights, MarginalQ), CONTEXTS, PARAMS, draws=DRAWS, alpha=ALPHA, seed=2)
     assert any(not r.passed for r in results), results
+
+
+def test_bundle_carries_dflash_drafters_to_a_session_with_greedy_identity(tmp_path):
+    """`edgespec bundle --dflash DIR` (build_bundle) -> bundle.yaml -> Session: both kinds load, and greedy
+    decoding with them equals plain decoding."""
+    from export.bundle_builder import build_bundle
+    from runtime import bundle as bundle_io
+    from runtime.session import GenerationParams, Session
+    from tests.tiny_bundle import make_tokenizer, save_random_llama
+
+    tok = str(tmp_path / "tokenizer.json")
+    vocab = make_tokenizer(tok)
+    save_random_llama(str(tmp_path / "target"), vocab, 3, H, 0, tok)
+    dirs = []
+    for v2 in (False, True):
+        cfg = dict(official_config(v2), vocab_size=vocab, num_target_layers=3)
+        w = official_weights(v2)
+        for name in ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"):
+            if name in w:
+                w[name] = np.random.default_rng(1).standard_normal((vocab, 8)).astype(np.float32) * 0.3
+        cfg["dflash_config"]["mask_token_id"] = 3
+        dirs.append(write_checkpoint(str(tmp_path / ("dflash2" if v2 else "dflash")), cfg, w))
+    out = build_bundle(str(tmp_path / "target"), str(tmp_path / "bundle"), dflash_dirs=dirs)
+    b = bundle_io.load(out)
+    assert b.drafters["dflash"].kind == "dflash" and b.drafters["dflash2"].kind == "dflash2"
+    assert b.drafters["dflash2"].target_taps == ("layer_out.0", "layer_out.2")
+    params = GenerationParams(max_tokens=20)
+    plain = Session.open(out, drafter="none", backend="numpy_ref").generate("open the drawer", params).token_ids
+    for kind in ("dflash", "dflash2"):
+        res = Session.open(out, drafter=kind, backend="numpy_ref").generate("open the drawer", params)
+        assert res.token_ids == plain and res.stats.drafter == kind
