@@ -298,3 +298,77 @@ def test_bundle_carries_dflash_drafters_to_a_session_with_greedy_identity(tmp_pa
     for kind in ("dflash", "dflash2"):
         res = Session.open(out, drafter=kind, backend="numpy_ref").generate("open the drawer", params)
         assert res.token_ids == plain and res.stats.drafter == kind
+
+
+def reference_logits(w, cfg, feats, anchor_emb, mask_emb, ctx_pos, anchor_pos, head, v2):
+    """The official forward in torch, all context at once (z-lab DFlashDraftModel / DFlash-2 decoder layer):
+    context = hidden_norm(fc(feats)) projected by k/v_proj without input_layernorm; local mixing (DFlash-2)
+    around attention and MLP with the kernel projected from the normed sublayer input."""
+    import torch
+
+    t = {k: torch.tensor(v, dtype=torch.float64) for k, v in w.items()}
+    eps, d, nh, nkv = cfg["rms_norm_eps"], HEAD_DIM, HEADS, KV_HEADS
+    block = cfg["block_size"]
+    group = cfg["dflash_config"].get("conv_group_size", 1)
+
+    def norm(x, g):
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * g
+
+    def rope(x, pos):
+        inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        ang = torch.tensor(pos, dtype=torch.float64)[:, None] * inv[None]
+        cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
+        return x * cos + torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
+
+    def conv(x, dyn, base):  # x (B, H), dyn (B, 2 taps, G), base (2 taps, H)
+        k = base[None] + dyn.repeat_interleave(group, -1)
+        prev = torch.cat([torch.zeros_like(x[:1]), x[:-1]])
+        return k[:, 0] * x + k[:, 1] * prev
+
+    c = norm(torch.tensor(feats, dtype=torch.float64) @ t["fc.weight"].T, t["hidden_norm.weight"])
+    x = torch.tensor(np.stack([anchor_emb] + [mask_emb] * (block - 1)), dtype=torch.float64)
+    bpos = list(range(anchor_pos, anchor_pos + block))
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        h = norm(x, t[p + "input_layernorm.weight"])
+        if v2:
+            dyn = (h @ t[p + "attention_conv.kernel_projection.weight"].T).view(block, 2, 2, -1)
+            h = conv(h, dyn[:, 0], t[p + "attention_conv.base_kernel"][0])
+        q = rope(norm((h @ t[p + "self_attn.q_proj.weight"].T).view(block, nh, d), t[p + "self_attn.q_norm.weight"]), bpos)
+        kin = torch.cat([c, h])
+        k = rope(norm((kin @ t[p + "self_attn.k_proj.weight"].T).view(-1, nkv, d), t[p + "self_attn.k_norm.weight"]),
+                 list(ctx_pos) + bpos)
+        v = (kin @ t[p + "self_attn.v_proj.weight"].T).view(-1, nkv, d)
+        k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
+        att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5, -1)
+        o = torch.einsum("hqk,khd->qhd", att, v).reshape(block, -1) @ t[p + "self_attn.o_proj.weight"].T
+        x = x + (conv(o, dyn[:, 1], t[p + "attention_conv.base_kernel"][1]) if v2 else o)
+        h = norm(x, t[p + "post_attention_layernorm.weight"])
+        if v2:
+            dyn = (h @ t[p + "mlp_conv.kernel_projection.weight"].T).view(block, 2, 2, -1)
+            h = conv(h, dyn[:, 0], t[p + "mlp_conv.base_kernel"][0])
+        m = (torch.nn.functional.silu(h @ t[p + "mlp.gate_proj.weight"].T) * (h @ t[p + "mlp.up_proj.weight"].T)) \
+            @ t[p + "mlp.down_proj.weight"].T
+        x = x + (conv(m, dyn[:, 1], t[p + "mlp_conv.base_kernel"][1]) if v2 else m)
+    return (norm(x[1:], t["norm.weight"]) @ torch.tensor(head, dtype=torch.float64).T).numpy()
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["dflash", "dflash2"])
+def test_numpy_drafter_equals_the_official_forward_across_cycles(target, v2):
+    """Cycle 1 caches the prompt's context rows; cycle 2 adds the committed rows: its logits equal the official
+    forward over the whole context at once (so the cache holds exactly the context K/V, at the right positions)."""
+    spec, weights = target
+    tgt, drafter = build(spec, weights, v2, block=5)
+    cfg, w = official_config(v2, block=5), official_weights(v2)
+    prompt = [3, 14, 15, 92, 65, 35, 89]
+    res = tgt.forward(np.asarray(prompt), np.arange(len(prompt)), taps=drafter.target_taps)
+    drafter.begin(prompt, res.taps)
+    drafter.forward(79, len(prompt), 5)  # cycle 1: anchor 79 after the prompt
+    more = tgt.forward(np.asarray([79, 32]), np.arange(len(prompt), len(prompt) + 2), taps=drafter.target_taps)
+    drafter.accept([0], [79, 32], more.taps)  # committed: the anchor and one accepted draft
+    _, logits = drafter.forward(38, len(prompt) + 2, 5)  # cycle 2: the next anchor
+    feats = np.concatenate([np.concatenate([res.taps[k], more.taps[k]]) for k in drafter.target_taps], axis=-1)
+    embed = tgt.w["model.embed_tokens.weight"]
+    ref = reference_logits(w, cfg, feats, embed[38], embed[V - 1], range(len(prompt) + 2), len(prompt) + 2,
+                           tgt.lm_head, v2)
+    np.testing.assert_allclose(logits, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
