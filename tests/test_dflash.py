@@ -293,6 +293,11 @@ def test_bundle_carries_dflash_drafters_to_a_session_with_greedy_identity(tmp_pa
     b = bundle_io.load(out)
     assert b.drafters["dflash"].kind == "dflash" and b.drafters["dflash2"].kind == "dflash2"
     assert b.drafters["dflash2"].target_taps == ("layer_out.0", "layer_out.2")
+    from runtime import memory
+    for kind in ("dflash", "dflash2"):  # the memory plan counts the drafter's own tensors, not a second embedding
+        inp = memory.bundle_inputs(b, kind, "numpy_ref", 5)
+        numel = sum(v.size for v in read_dflash_checkpoint(dirs[kind == "dflash2"]).weights.values())
+        assert sum(memory.drafter_weight_bytes(inp)) + inp.drafter_extra_bytes == 4 * numel
     params = GenerationParams(max_tokens=20)
     plain = Session.open(out, drafter="none", backend="numpy_ref").generate("open the drawer", params).token_ids
     for kind in ("dflash", "dflash2"):
