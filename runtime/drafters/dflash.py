@@ -321,7 +321,9 @@ class DFlashDrafter(Drafter):
         for t in range(logits.shape[0]):
             p_t = process_logits(logits[t], soft_params, tokens + drafted, ctx.mask(drafted))
             live = np.flatnonzero(p_t > 0)
-            cands = live[np.argsort(-p_t[live], kind="stable")[:k]]
+            if len(live) > k:  # the top K in O(V), then only those sorted
+                live = live[np.argpartition(-p_t[live], k - 1)[:k]]
+            cands = live[np.argsort(-p_t[live], kind="stable")]
             pair = pair_scores(proj[t], pred_cb[prev_cands], succ_cb[cands])  # (|C_{t-1}|, |C_t|)
             temp = 1.0 if params.greedy else params.temperature
             scores = np.log(p_t[cands])[None, :] + pair.astype(np.float64) / temp
