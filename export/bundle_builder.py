@@ -127,20 +127,23 @@ def _publish(staged: str, out: str) -> None:
 def build_bundle(target_dir: str, out: str, draft_dir: Optional[str] = None, name: Optional[str] = None,
                  default_drafter: Optional[str] = None, force: bool = False,
                  extend: Optional[Callable[[str], None]] = None, prompts: Optional[Dict[str, str]] = None,
-                 report: Callable[[str], None] = lambda note: None, medusa: Optional[str] = None) -> str:
+                 report: Callable[[str], None] = lambda note: None, medusa: Optional[str] = None,
+                 dflash_dirs: Sequence[str] = ()) -> str:
     """Write `out` as a numpy_ref bundle; `extend(staged_dir)` may add other backends' files before the
     bundle is renamed into place. `prompts`: the user's prompt files (keyword arguments of
     export.prompts.bundle_prompts: prompts_file, chat_template_file, planner_file, action_file); `report`
-    receives a line saying where the prompt format came from; `medusa`: official Medusa heads to add. Returns
-    `out`. Refuses outputs per `check_output`."""
-    inputs = [d for d in (target_dir, draft_dir, medusa) if d] + [f for f in (prompts or {}).values() if f]
+    receives a line saying where the prompt format came from; `medusa`: official Medusa heads to add;
+    `dflash_dirs`: official DFlash / DFlash-2 drafter directories (export/drafters/dflash.py), each a drafter
+    named by its kind. Returns `out`. Refuses outputs per `check_output`."""
+    inputs = [d for d in (target_dir, draft_dir, medusa) if d] + [f for f in (prompts or {}).values() if f] \
+        + list(dflash_dirs)
     check_output(out, inputs, force)
     name = name or os.path.basename(os.path.normpath(os.path.abspath(out)))
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     staged = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.partial-", dir=parent)
     try:
-        _write_bundle(target_dir, staged, draft_dir, name, default_drafter, prompts or {}, report, medusa)
+        _write_bundle(target_dir, staged, draft_dir, name, default_drafter, prompts or {}, report, medusa, dflash_dirs)
         if extend is not None:
             extend(staged)
         os.chmod(staged, 0o755)  # mkdtemp makes it private; a bundle is read by other users (the ROS node)
@@ -153,7 +156,7 @@ def build_bundle(target_dir: str, out: str, draft_dir: Optional[str] = None, nam
 
 def _write_bundle(target_dir: str, out: str, draft_dir: Optional[str], name: str,
                   default_drafter: Optional[str], prompts: Dict[str, str], report: Callable[[str], None],
-                  medusa: Optional[str] = None) -> None:
+                  medusa: Optional[str] = None, dflash_dirs: Sequence[str] = ()) -> None:
     target = read_hf_checkpoint(target_dir)
     if target.tokenizer_file is None:
         raise BundleError(f"{target_dir}: no tokenizer.json; the bundle needs the tokenizer the model was trained with")
@@ -192,6 +195,10 @@ def _write_bundle(target_dir: str, out: str, draft_dir: Optional[str], name: str
         w.add_drafter("draft_model", "draft_model", files=["draft/model.safetensors"], spec=draft.spec,
                       params={"num_tokens": 4})
         chosen = default_drafter or "draft_model"
+    for path in dflash_dirs:
+        from export.drafters.dflash import add_dflash_drafter  # torch-free, but only bundles with DFlash need it
+
+        add_dflash_drafter(w, path, spec)
     if chosen not in w.manifest["drafters"] and chosen != "none":
         raise BundleError(f"--default-drafter {chosen!r}: this bundle has drafters {sorted(w.manifest['drafters'])} "
                           "(or 'none')")

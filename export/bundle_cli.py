@@ -40,6 +40,8 @@ def register(sub) -> None:
     p.add_argument("--eagle", metavar="DIR", help="an EAGLE-1 head (config.json + model.safetensors; official, vLLM "
                                                   "or speculators layout): drafters eagle and eagle2")
     p.add_argument("--eagle3", metavar="DIR", help="an EAGLE-3 head (same layouts): drafters eagle3 and eagle3_chain")
+    p.add_argument("--dflash", action="append", default=[], metavar="DIR",
+                   help="official DFlash or DFlash-2 drafter directory (z-lab layout); repeatable, one of each kind")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="bundle directory to write: new or empty (an existing bundle is replaced only with "
                         "--force; a directory holding anything else is refused); never an input or inside one")
@@ -85,7 +87,7 @@ def run(args) -> int:
                "planner_file": args.planner_template, "action_file": args.action_template}
     out = build_bundle(args.target, args.out, args.draft, default_drafter=args.default_drafter, force=args.force,
                        extend=add_backends, prompts={k: v for k, v in prompts.items() if v}, report=print,
-                       medusa=args.medusa)
+                       medusa=args.medusa, dflash_dirs=args.dflash)
     print(f"bundle: {out} ready ({', '.join(sorted(set(backends) | {'numpy_ref'}))}); tensor dtypes as stored:")
     for line in dtype_summary(out):
         print(f"  {line}")

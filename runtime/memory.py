@@ -428,6 +428,18 @@ def bundle_inputs(bundle, drafter: str, backend: str, tree_tokens: int) -> PlanI
     draft, d_prec, extra = None, None, 0
     if entry is not None and entry.kind in ("eagle", "eagle3") and entry.spec is not None:
         draft, d_prec = eagle_dims(entry), "fp32"  # numpy, float32
+        if backend != "numpy_ref":  # its own float32 copy of the target's embedding (and head) beside a graph
+            extra = 4 * spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+    elif entry is not None and entry.kind in ("dflash", "dflash2") and entry.spec is not None:
+        # float32 numpy layers on the target's embedding and head (own copies beside an ONNX target); fc reads
+        # the fused target taps; DFlash-2's selector codebooks and local-mixing kernels come on top
+        taps = len(entry.params.get("target_layer_ids") or ()) or 1
+        draft = replace(dims_from_spec(entry.spec), own_embedding=False, head_rows=0, fusion_in=taps * spec.hidden_size)
+        d_prec = "fp32"
+        extra = 4 * max(0, sum(_safetensors_numel(bundle.path(f)) for f in entry.files if f.endswith(".safetensors"))
+                        - draft.body_params())
+        if backend != "numpy_ref":
+            extra += 4 * spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
     elif entry is not None and entry.spec is not None:
         draft = dims_from_spec(entry.spec)
         d_files = entry.backends.get(backend) if backend != "numpy_ref" else None

@@ -23,6 +23,7 @@ from runtime.blas import set_blas_threads
 from runtime.bundle import BackendFiles
 from runtime.config import BackendConfig, RuntimeConfig
 from runtime.drafters.base import Drafter
+from runtime.drafters.dflash import DFlashDrafter, DFlashParams
 from runtime.drafters.draft_model import DraftModelDrafter
 from runtime.drafters.eagle import DynamicTree, EagleDrafter
 from runtime.drafters.medusa import MedusaDrafter, resolve_tree
@@ -135,6 +136,19 @@ def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max
         return MedusaDrafter(load_weights(bundle, entry.files), tree=entry.params.get("tree", "chain"),
                              num_tokens=num_tokens, source=f"{bundle.root}: drafters.{name}",
                              hidden=spec.hidden_size, vocab=spec.vocab_size)
+    if entry.kind in ("dflash", "dflash2"):
+        where = f"{bundle.path('bundle.yaml')}: drafters.{name}"
+        if entry.spec is None:
+            raise BundleError(f"{where}.spec: missing (the draft layers' shape); rebuild with `edgespec bundle --dflash DIR`")
+        params = DFlashParams.from_dict(entry.params, f"{where}.params")
+        weights = load_weights(bundle, entry.files)
+        target_w = target_weights if target_weights is not None else load_weights(bundle, bundle.target_files("numpy_ref").files)
+        spec = bundle.target.spec
+        embed = np.ascontiguousarray(target_w["model.embed_tokens.weight"], np.float32)
+        head = embed if spec.tie_word_embeddings else np.ascontiguousarray(target_w["lm_head.weight"], np.float32)
+        # the context rows plus one block of temporary rows
+        cache = arena.allocate("draft", cache_shape(entry.spec), max_positions + params.block_size)
+        return DFlashDrafter(entry.spec, params, weights, embed, head, cache, source=where)
     raise BundleError(f"drafter kind {entry.kind!r} is not available in this runtime yet")
 
 
@@ -158,17 +172,17 @@ def build_eagle(name: str, entry, bundle, arena: KVArena, max_positions: int, nu
                         tree=DynamicTree.from_params(tree, source) if tree is not None else None, source=source)
 
 
-def check_taps(drafter: Optional[Drafter], target, name: str, bundle_root: str) -> None:
-    """Refuse, at session creation, a drafter that reads target taps this backend does not produce."""
-    have = getattr(target, "tap_names", None)  # None: the backend computes any tap (numpy_ref)
+def check_taps(target, drafter: Optional[Drafter], backend: str, bundle_root: str) -> None:
+    """Refuse, at session creation, a drafter that reads a hidden tap the target's backend does not produce
+    (an ONNX graph exports only the taps named at export time; the numpy reference has them all)."""
+    have = getattr(target, "tap_names", None)
     if drafter is None or have is None:
         return
     missing = [t for t in drafter.target_taps if t not in have]
     if missing:
-        raise BundleError(f"drafter {name!r} reads the target's hidden taps {missing}, which the {target.name} graph "
-                          f"does not output (it has {list(have)}); re-export it with `edgespec export --to "
-                          f"{target.name} --bundle {bundle_root} --taps {' '.join(sorted(set(have) | set(missing)))}`, "
-                          "or run this drafter on backend numpy_ref")
+        raise BundleError(f"drafter {drafter.kind!r} reads the target's hidden tap {missing[0]!r}, which the {backend} "
+                          f"graph does not export (it has {list(have)}); re-export with `edgespec export --to {backend} "
+                          f"--bundle {bundle_root} --taps {' '.join(sorted(set(have) | set(drafter.target_taps)))}`")
 
 
 def _libc():
@@ -263,7 +277,7 @@ class Session:
         self.target = open_model(b, spec, files, backend, cache)
         self.drafter = build_drafter(name, b, backend, self.arena, positions, config.drafter.num_tokens,
                                      config.drafter.branching, getattr(self.target, "w", None))
-        check_taps(self.drafter, self.target, name, b.root)
+        check_taps(self.target, self.drafter, backend.kind, config.bundle)
         self.drafter_kind = name
         self.backend_name = backend.kind
         self.prompts = prompt_format(b, self.tokenizer)

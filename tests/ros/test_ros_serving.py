@@ -104,6 +104,8 @@ def test_a_plan_under_a_schema_follows_it_token_by_token(served):
     assert resp.success, resp.message
     assert resp.text.startswith('[{"skill":"')  # random weights, yet the answer is a plan so far
     assert resp.plan_ok or resp.finish_reason == "max_tokens", (resp.text, resp.plan_error)
+    assert 0 < resp.stats.grammar_s < resp.stats.wall_s  # the time spent on masks is reported
+    assert client.plan(instruction="bring the red cup", max_tokens=8).stats.grammar_s == 0.0
 
 
 @pytest.mark.parametrize("call, fields, field", [

@@ -34,6 +34,7 @@ def stats_msg(stats, queue_s: float = 0.0, drafter: str = "", backend: str = "")
     msg.draft_s = _f32(stats.draft_s)
     msg.verify_s = _f32(stats.verify_s)
     msg.other_s = _f32(stats.other_s)
+    msg.grammar_s = _f32(getattr(stats, "grammar_s", 0.0))
     msg.wall_s = _f32(stats.wall_s)
     msg.memory_bytes = max(0, int(stats.memory_bytes))
     msg.drafter = stats.drafter or drafter
