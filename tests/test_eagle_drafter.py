@@ -20,7 +20,7 @@ from tests.eagle_tiny import eagle1_checkpoint, eagle3_checkpoint
 from tests.hf_tiny import tiny_hf_model
 
 ALPHA = 1e-3
-DRAWS = 1500
+DRAWS = 1000
 T1 = SamplingParams(temperature=1.0)
 TREE = DynamicTree(total_tokens=8, depth=3, top_k=3)
 
