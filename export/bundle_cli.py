@@ -10,7 +10,8 @@ HELP = """Build a bundle from HF model directories (config.json + safetensors; L
 
 The target's MTP module (DeepSeek-V3 keys at model.layers.N) becomes the bundle's `mtp` drafter, a
 --draft directory becomes its `draft_model` drafter, --medusa heads its `medusa` (tree) and `medusa_chain`
-drafters, and the n-gram drafter is always there.
+drafters, --eagle an EAGLE-1 head its `eagle` (chain) and `eagle2` (EAGLE-2 dynamic tree) drafters, --eagle3 an
+EAGLE-3 head its `eagle3` (dynamic tree) and `eagle3_chain` drafters, and the n-gram drafter is always there.
 
 The bundle carries the model's prompt format: its chat template (tokenizer_config.json or
 chat_template.jinja), its special tokens and every EOS token (tokenizer_config.json, generation_config.json,
@@ -36,6 +37,9 @@ def register(sub) -> None:
                    help="Medusa heads for the target: a Medusa-1 head file (medusa_lm_head.safetensors, or .pt read "
                         "with weights_only), its directory, or a Medusa-2 checkpoint (heads under medusa_head.); "
                         "adds the drafters medusa (a tree) and medusa_chain")
+    p.add_argument("--eagle", metavar="DIR", help="an EAGLE-1 head (config.json + model.safetensors; official, vLLM "
+                                                  "or speculators layout): drafters eagle and eagle2")
+    p.add_argument("--eagle3", metavar="DIR", help="an EAGLE-3 head (same layouts): drafters eagle3 and eagle3_chain")
     p.add_argument("--dflash", action="append", default=[], metavar="DIR",
                    help="official DFlash or DFlash-2 drafter directory (z-lab layout); repeatable, one of each kind")
     p.add_argument("--out", required=True, metavar="DIR",
@@ -65,6 +69,13 @@ def run(args) -> int:
 
     def add_backends(staged: str) -> None:
         print(f"bundle: wrote the numpy_ref bundle in {time.perf_counter() - t0:.1f} s")
+        if args.eagle or args.eagle3:  # before the ONNX export, so that the graph outputs the taps they read
+            from export.drafters.eagle import ZOO_TREE, add_eagle_to_bundle
+
+            if args.eagle:
+                add_eagle_to_bundle(staged, args.eagle, "eagle", drafters={"eagle": None, "eagle2": ZOO_TREE})
+            if args.eagle3:
+                add_eagle_to_bundle(staged, args.eagle3, "eagle3", drafters={"eagle3": ZOO_TREE, "eagle3_chain": None})
         if "onnx" in backends:
             from export.onnx import add_onnx_to_bundle
 

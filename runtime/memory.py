@@ -390,6 +390,16 @@ def bundle_cache_shapes(bundle, drafter: str) -> Dict[str, CacheShape]:
     return shapes
 
 
+def eagle_dims(entry) -> ModelDims:
+    """An EAGLE head's one layer: it reads the target's embedding; EAGLE-1 uses the target's LM head (fc 2H -> H),
+    EAGLE-3 has its own over draft_vocab_size rows, attends over 2H and fuses three target hiddens (fc 3H -> H)."""
+    d = replace(dims_from_spec(entry.spec), own_embedding=False)
+    h = d.hidden
+    if entry.kind == "eagle":
+        return replace(d, head_rows=0, fusion_in=2 * h)
+    return replace(d, head_rows=int(entry.params.get("draft_vocab_size", d.vocab)), attn_in=2 * h, fusion_in=3 * h)
+
+
 def _safetensors_numel(path: str) -> int:
     from runtime.tensors import _header  # header only: no tensor is read
 
@@ -416,7 +426,11 @@ def bundle_inputs(bundle, drafter: str, backend: str, tree_tokens: int) -> PlanI
     prec = "fp16" if kv == 2 else "fp32"
     entry = bundle.drafters.get(drafter)
     draft, d_prec, extra = None, None, 0
-    if entry is not None and entry.kind in ("dflash", "dflash2") and entry.spec is not None:
+    if entry is not None and entry.kind in ("eagle", "eagle3") and entry.spec is not None:
+        draft, d_prec = eagle_dims(entry), "fp32"  # numpy, float32
+        if backend != "numpy_ref":  # its own float32 copy of the target's embedding (and head) beside a graph
+            extra = 4 * spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+    elif entry is not None and entry.kind in ("dflash", "dflash2") and entry.spec is not None:
         # float32 numpy layers on the target's embedding and head (own copies beside an ONNX target); fc reads
         # the fused target taps; DFlash-2's selector codebooks and local-mixing kernels come on top
         taps = len(entry.params.get("target_layer_ids") or ()) or 1

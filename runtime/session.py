@@ -25,6 +25,7 @@ from runtime.config import BackendConfig, RuntimeConfig
 from runtime.drafters.base import Drafter
 from runtime.drafters.dflash import DFlashDrafter, DFlashParams
 from runtime.drafters.draft_model import DraftModelDrafter
+from runtime.drafters.eagle import DynamicTree, EagleDrafter
 from runtime.drafters.medusa import MedusaDrafter, resolve_tree
 from runtime.drafters.mtp import MTPDrafter, mtp_cache_shape
 from runtime.drafters.ngram import NgramDrafter
@@ -110,6 +111,8 @@ def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max
         return NgramDrafter(num_tokens=num_tokens, max_n=int(params.get("max_n", 3)), min_n=int(params.get("min_n", 1)),
                             branching=branching)
     entry = bundle.drafter(name)
+    if entry.kind in ("eagle", "eagle3"):
+        return build_eagle(name, entry, bundle, arena, max_positions, num_tokens, branching, target_weights)
     if entry.kind == "draft_model":
         files = entry.backends.get(backend.kind) if backend.kind != "numpy_ref" else None
         files = files or BackendFiles(files=entry.files)
@@ -147,6 +150,26 @@ def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max
         cache = arena.allocate("draft", cache_shape(entry.spec), max_positions + params.block_size)
         return DFlashDrafter(entry.spec, params, weights, embed, head, cache, source=where)
     raise BundleError(f"drafter kind {entry.kind!r} is not available in this runtime yet")
+
+
+def build_eagle(name: str, entry, bundle, arena: KVArena, max_positions: int, num_tokens: int, branching: int,
+                target_weights=None) -> EagleDrafter:
+    """An EAGLE-1/2 or EAGLE-3 head (runtime/drafters/eagle.py) on the target's embedding (and, EAGLE-1, its
+    LM head); params.tree set = the EAGLE-2 dynamic tree, else chains of num_tokens x branching."""
+    source = f"{bundle.root}: drafters.{name}"
+    if entry.spec is None:
+        raise BundleError(f"{source}: no spec (the draft layer's shape); rebuild it with export/drafters/eagle.py")
+    spec = bundle.target.spec
+    target_w = target_weights if target_weights is not None else load_weights(bundle, bundle.target_files("numpy_ref").files)
+    embed = np.ascontiguousarray(target_w["model.embed_tokens.weight"], np.float32)
+    head = embed if spec.tie_word_embeddings else np.ascontiguousarray(target_w["lm_head.weight"], np.float32)
+    tree = entry.params.get("tree")
+    if tree is not None and not isinstance(tree, dict):
+        raise BundleError(f"{source}: params.tree: got {tree!r}, expected a mapping (total_tokens, depth, top_k)")
+    cache = arena.allocate("draft", cache_shape(entry.spec), max_positions + memory.DRAFT_SLACK)
+    return EagleDrafter(entry.kind, entry.spec, load_weights(bundle, entry.files), embed, head, cache, entry.params,
+                        num_tokens=num_tokens, branching=branching,
+                        tree=DynamicTree.from_params(tree, source) if tree is not None else None, source=source)
 
 
 def check_taps(target, drafter: Optional[Drafter], backend: str, bundle_root: str) -> None:

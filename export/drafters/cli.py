@@ -23,9 +23,15 @@ its share of every batch's rows:
 examples:
   edgespec train-drafter medusa --target zoo/target --out zoo/medusa --heads 4 --minutes 10
   edgespec train-drafter medusa --target zoo/target --out /tmp/heads --steps 20 --batch 2 --seq-len 64
+  edgespec train-drafter eagle3 --target zoo/target --out zoo/eagle3 --minutes 5 --unroll 4
+
+EAGLE (eagle1, eagle3): one decoder layer trained with the training-time test (unrolled --unroll steps on its
+own outputs, loss weights 0.8^j), written as config.json + model.safetensors (fp16) in the official layout
+(export/drafters/eagle.py). A real target needs the same data pipeline and, published heads report, on the
+order of a few GPU-days on ShareGPT/UltraChat-scale data for an 8B target.
 """
 
-KINDS = ("medusa",)
+KINDS = ("medusa", "eagle1", "eagle3")
 
 
 def register(sub) -> None:
@@ -50,6 +56,7 @@ def register(sub) -> None:
     p.add_argument("--tree-nodes", type=int, default=32,
                    help="medusa: nodes at most of the tree tuned on the trained heads (default 32; 0 = no tree)")
     p.add_argument("--threads", type=int, default=2, help="torch threads over all processes (default 2)")
+    p.add_argument("--unroll", type=int, default=4, help="eagle: training-time-test steps (default 4; official 7)")
     p.set_defaults(func=run)
 
 
@@ -70,7 +77,8 @@ def _check(args) -> None:
         raise ConfigError(f"--target {args.target}: no tokenizer.json there; the data is tokenized with it")
     from export.drafters.medusa import HEAD_FILE
 
-    taken = [n for n in (HEAD_FILE, "config.json") if os.path.exists(os.path.join(args.out, n))]
+    files = (HEAD_FILE, "config.json") if args.kind == "medusa" else ("model.safetensors", "config.json")
+    taken = [n for n in files if os.path.exists(os.path.join(args.out, n))]
     if taken and not args.force:
         raise ConfigError(f"--out {args.out} already holds {', '.join(taken)}; pass --force to replace them")
 
@@ -95,6 +103,8 @@ def run(args) -> int:
     rank = Dist.from_env().rank
     data = build_token_data(os.path.join(args.target, "tokenizer.json"), work, cfg.seed, cfg.n_planner,
                             cfg.n_action, cfg.n_text, log if rank == 0 else (lambda _m: None))
+    if args.kind != "medusa":
+        return _train_eagle(args, cfg, work, target, data, rank, log)
     task = medusa_task(target, args.heads, args.layers)
     (log if rank == 0 else (lambda _m: None))(f"medusa: {args.heads} heads x {args.layers} ResBlocks "
         f"({sum(p.numel() for p in task.parameters()) / 1e6:.2f} M params) on {args.target}; "
@@ -121,5 +131,28 @@ def run(args) -> int:
         config["tree_tuning"] = {"accuracy_top5": [[round(float(a), 4) for a in row[:5]] for row in acc],
                                  "expected_tau": round(tau, 3), "max_nodes": args.tree_nodes}
     files = task.export(args.out, config)
+    log(f"wrote {', '.join(files)} ({os.path.getsize(files[0]) / 2**20:.1f} MiB)")
+    return 0
+
+
+def _train_eagle(args, cfg, work, target, data, rank, log) -> int:
+    from export.drafters.eagle_train import EagleTask
+    from export.drafters.trainer import train
+
+    if not 1 <= args.unroll <= 16:
+        from runtime.errors import ConfigError
+        raise ConfigError(f"--unroll: got {args.unroll}, expected 1..16")
+    task = EagleTask("eagle" if args.kind == "eagle1" else "eagle3", target, unroll=args.unroll)
+    log(f"{args.kind}: one layer ({sum(p.numel() for p in task.parameters() if p.requires_grad) / 1e6:.2f} M params), "
+        f"training-time test over {args.unroll} steps, on {args.target}; up to {cfg.steps} steps of "
+        f"{cfg.batch}x{cfg.seq_len} tokens or {args.minutes:g} min")
+    result = train(task, target, data, cfg, work, resume=args.resume, log=log)
+    if rank != 0:
+        return 0
+    base = "zoo/target" if args.target.rstrip("/").endswith("zoo/target") else os.path.abspath(args.target)
+    files = task.export(args.out, {"base_model_name_or_path": base,
+                                   "training": {"command": "edgespec " + " ".join(sys.argv[1:]), "steps": result.steps,
+                                                "seconds": round(result.seconds, 1),
+                                                "final": {k: round(v, 4) for k, v in result.last.items()}}})
     log(f"wrote {', '.join(files)} ({os.path.getsize(files[0]) / 2**20:.1f} MiB)")
     return 0

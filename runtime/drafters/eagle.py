@@ -1,0 +1,327 @@
+"""EAGLE heads as drafters: EAGLE-1 (chains), EAGLE-2 (EAGLE-1 weights + a dynamic draft tree), EAGLE-3.
+
+One draft decoder layer runs over (feature f_t, token x_{t+1}) at rotary position t and predicts x_{t+2}:
+
+    EAGLE-1   x   = fc(concat[embed(x_{t+1}), f_t])               f_t = the target's final-normed hidden
+              h'  = layer(x) with no input norm                    q = softmax(target_lm_head(h'))
+    EAGLE-3   f_t = fc(concat[in_2, in_{N//2}, in_{N-3}])          in_i = the hidden ENTERING target layer i
+              h'  = x + attn(concat[input_layernorm(embed(x_{t+1})), hidden_norm(f_t)]), then the MLP half
+                    (x = f_t, or hidden_norm(f_t) when norm_before_residual)
+              q   = softmax(lm_head(norm(h'))) over the draft vocabulary, placed at target ids d + d2t[d]
+
+Deeper draft positions feed the layer's own output h' back as the feature. The drafter keeps its own
+one-layer KV cache (a view into the shared arena): rows [0, committed) belong to committed tokens and were
+computed from the TARGET's features; each cycle runs only the rows of newly committed positions, then
+drafts on temporary rows that `accept` drops.
+
+Trees. `tree=None`: chains of `num_tokens` (argmax when greedy, sampled with q recorded otherwise), split
+at the root into `branching` children by the one sibling rule (`runtime.siblings`). `tree=DynamicTree`:
+the EAGLE-2 tree (see `dynamic_tree`), whose nodes are deterministic top-k picks, i.e. point masses, at
+any temperature: the verifier accepts x with p(x), and on rejection zeroes x in p."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from runtime.drafters.base import DraftContext, Drafter
+from runtime.drafters.draft_model import pick_children
+from runtime.errors import BundleError
+from runtime.kv import KVCache
+from runtime.layers import causal_mask, decoder_layer, rms_norm, rope_cos_sin, rope_inv_freq
+from runtime.model_spec import ModelSpec
+from runtime.sampling import SamplingParams, process_logits, sample
+from runtime.siblings import top_k
+from runtime.tree import DraftTree, empty_tree
+
+LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+              "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+              "post_attention_layernorm.weight")
+UNMAPPED = np.float32(-1e30)  # logit of target ids outside an EAGLE-3 draft vocabulary: probability 0, never NaN
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2's dynamic draft tree (the paper's defaults: total_tokens 60, depth 6 levels, top_k 10)."""
+    total_tokens: int = 60  # nodes kept after the final rerank (the root not counted)
+    depth: int = 6  # levels below the root
+    top_k: int = 10  # children per expanded node, and nodes expanded per level
+
+    @staticmethod
+    def from_params(d: Mapping, source: str) -> "DynamicTree":
+        tree = DynamicTree(**{k: d[k] for k in ("total_tokens", "depth", "top_k") if k in d})
+        for k in ("total_tokens", "depth", "top_k"):
+            v = getattr(tree, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise BundleError(f"{source}: tree.{k}: got {v!r}, expected an integer >= 1")
+        return tree
+
+
+def dynamic_tree(expand, root_scores: np.ndarray, tree: DynamicTree, max_nodes: int) -> Tuple[List[int], List[int]]:
+    """EAGLE-2's tree from drafter log-probabilities: take the root's top_k children; then, `depth - 1` times,
+    expand every frontier node into its top_k children, record all of them, and make the top_k of this
+    level's children by CUMULATIVE log-probability (the log-probability of the path) the next frontier.
+    Finally rerank every recorded node by that score and keep the best `total_tokens` (and at most
+    `max_nodes`). A child never scores above its parent, and ties go to the earlier-created node, so the
+    kept set holds every kept node's parent; nodes keep creation order, so parents precede children.
+
+    `expand(nodes, tokens, parents)` runs the draft layer on those frontier nodes (tokens / parents: every
+    node created so far) and returns their (len(nodes), V) log-probability rows. Returns (tokens, parents) with parents as indices into the returned nodes.
+
+    Example, top_k 2, depth 2, total_tokens 3: root log-probs a -0.1, b -2.5 -> nodes a, b; expanding them
+    gives a:(c -0.2, d -3.0), b:(e -0.1, f -0.5) -> cumulative c -0.3, d -3.1, e -2.6, f -3.0. Ranked: a -0.1,
+    c -0.3, b -2.5, e -2.6 ... -> keep a, b, c: tokens (a, b, c), parents (-1, -1, 0).
+    """
+    tokens: List[int] = []
+    parents: List[int] = []
+    scores: List[float] = []
+
+    def children_of(parent: int, logp: np.ndarray, base: float) -> List[int]:
+        picked = top_k(np.exp(logp), tree.top_k).tokens  # positive probability only
+        made = []
+        for t in picked.tolist():
+            made.append(len(tokens))
+            tokens.append(int(t))
+            parents.append(parent)
+            scores.append(base + float(logp[t]))
+        return made
+
+    frontier = children_of(-1, root_scores, 0.0)
+    for _ in range(tree.depth - 1):
+        if not frontier:
+            break
+        rows = expand(frontier, tokens, parents)
+        level: List[int] = []
+        for node, logp in zip(frontier, rows):
+            level += children_of(node, logp, scores[node])
+        frontier = sorted(level, key=lambda n: (-scores[n], n))[:tree.top_k]
+    keep = sorted(range(len(tokens)), key=lambda n: (-scores[n], n))[:min(tree.total_tokens, max_nodes)]
+    keep.sort()
+    index = {n: i for i, n in enumerate(keep)}
+    return [tokens[n] for n in keep], [index[parents[n]] if parents[n] >= 0 else -1 for n in keep]
+
+
+class EagleDrafter(Drafter):
+    builds_sampled_trees = True  # chains split at the root by the sibling rule when branching > 1
+
+    def __init__(self, kind: str, spec: ModelSpec, weights: Mapping[str, np.ndarray], embed: np.ndarray,
+                 target_head: np.ndarray, cache: KVCache, params: Mapping, num_tokens: int = 4, branching: int = 1,
+                 tree: Optional[DynamicTree] = None, source: str = "eagle"):
+        if kind not in ("eagle", "eagle3"):
+            raise BundleError(f"{source}: kind {kind!r} is not an EAGLE head")
+        self.kind = kind
+        self.spec = spec
+        self.cache = cache
+        self.k = num_tokens
+        self.branching = branching
+        self.tree = tree
+        if tree is not None:
+            self.builds_sampled_trees = False  # dynamic trees are point masses at every temperature
+        p = "layers.0." if kind == "eagle" else "midlayer."
+        need = ["fc.weight"] + [p + k for k in LAYER_KEYS]
+        if kind == "eagle" and params.get("bias", True):
+            need.append("fc.bias")
+        if kind == "eagle3":
+            need += [p + "input_layernorm.weight", p + "hidden_norm.weight", "norm.weight", "lm_head.weight"]
+        if spec.qkv_bias:
+            need += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        missing = [n for n in need if n not in weights]
+        if missing:
+            raise BundleError(f"{source}: missing weights {missing[:3]}; rebuild the bundle's {kind} drafter "
+                              "(export/drafters/eagle.py)")
+        self.w = {n: np.ascontiguousarray(weights[n], np.float32) for n in need}
+        self.prefix = p
+        own_embed = weights.get("embed_tokens.weight")
+        self.embed = np.ascontiguousarray(own_embed, np.float32) if own_embed is not None else embed
+        self.inv_freq = rope_inv_freq(spec)
+        self.norm_before_residual = bool(params.get("norm_before_residual", False))
+        self.vocab = embed.shape[0]
+        if kind == "eagle":
+            self.head = target_head  # (V, H): EAGLE-1 uses the target's LM head
+            self.draft_ids = None
+            self.target_taps: Tuple[str, ...] = ("final_norm",)
+        else:
+            self.head = self.w["lm_head.weight"]  # (draft_vocab, H)
+            d2t = weights.get("d2t")
+            rows = self.head.shape[0]
+            self.draft_ids = np.arange(rows) + np.asarray(d2t, np.int64) if d2t is not None else None
+            if self.draft_ids is None and rows != self.vocab:
+                raise BundleError(f"{source}: lm_head has {rows} rows but there is no d2t map to the target's "
+                                  f"{self.vocab} ids; rebuild the bundle's eagle3 drafter")
+            layers = params.get("tap_layers")
+            if not isinstance(layers, list) or len(layers) != 3:
+                raise BundleError(f"{source}: params.tap_layers {layers!r}: expected three target layer indices")
+            self.target_taps = tuple(f"layer_in.{int(i)}" for i in layers)
+        self.committed_rows = 0
+        self.pending: Optional[np.ndarray] = None  # (n, H) features of committed positions not yet run
+
+    @property
+    def memory_bytes(self) -> int:
+        own = sum(a.nbytes for a in self.w.values())
+        return own + (self.embed.nbytes if "embed_tokens.weight" in self.w else 0)
+
+    # -- the draft layer --------------------------------------------------------------------------
+
+    def _features(self, taps: Dict[str, np.ndarray]) -> np.ndarray:
+        """Target taps at committed positions -> the draft layer's input features (n, H)."""
+        if self.kind == "eagle":
+            return np.asarray(taps["final_norm"], np.float32)
+        fused = np.concatenate([np.asarray(taps[t], np.float32) for t in self.target_taps], axis=-1)  # (n, 3H)
+        return fused @ self.w["fc.weight"].T
+
+    def _run(self, features: np.ndarray, tokens: Sequence[int], positions: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """Draft-layer rows for (features (T, H), tokens (T,)) at `positions`, appended to the cache -> h' (T, H)."""
+        w, p, spec = self.w, self.prefix, self.spec
+        emb = self.embed[np.asarray(tokens, np.int64)]  # (T, H)
+        if self.kind == "eagle":
+            x = np.concatenate([emb, features], axis=-1) @ w["fc.weight"].T  # (T, H): embedding first
+            if "fc.bias" in w:
+                x = x + w["fc.bias"]
+            attn_in = x  # layer 0 of EAGLE-1 has no input norm
+        else:
+            hn = rms_norm(features, w[p + "hidden_norm.weight"], spec.rms_norm_eps)
+            attn_in = np.concatenate([rms_norm(emb, w[p + "input_layernorm.weight"], spec.rms_norm_eps), hn], axis=-1)
+            x = hn if self.norm_before_residual else features
+        t = x.shape[0]
+        start = self.cache.length
+        self.cache.check_room(t)
+        cos, sin = rope_cos_sin(self.inv_freq, np.asarray(positions, np.int64))
+        out = decoder_layer(w, p, spec, x, cos, sin, self.cache.k[:, 0], self.cache.v[:, 0], start, mask,
+                            attn_input=attn_in)
+        self.cache.length = start + t
+        return out
+
+    def _logits(self, hidden: np.ndarray) -> np.ndarray:
+        """h' (T, H) -> (T, V) logits over the TARGET's vocabulary."""
+        if self.kind == "eagle":
+            return hidden @ self.head.T
+        draft = rms_norm(hidden, self.w["norm.weight"], self.spec.rms_norm_eps) @ self.head.T  # (T, draft_vocab)
+        if self.draft_ids is None:
+            return draft
+        out = np.full((hidden.shape[0], self.vocab), UNMAPPED, np.float32)
+        out[:, self.draft_ids] = draft
+        return out
+
+    # -- the drafter interface --------------------------------------------------------------------
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.committed_rows = 0
+        self.pending = None
+
+    def begin(self, prompt: Sequence[int], taps: Dict[str, np.ndarray]) -> None:
+        self.reset()
+        self.pending = self._features(taps)
+
+    def accept(self, accepted_nodes, committed, taps) -> None:
+        self.cache.keep(self.committed_rows, [])  # drop the drafted rows
+        self.pending = self._features(taps)
+
+    def _catch_up(self, tokens: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
+        """Run the rows of newly committed positions: row t = (feature f_t, token x_{t+1}). Returns the last
+        row's h' (1, H) and logits (V,), the drafter's prediction after the root tokens[-1]."""
+        self.cache.keep(self.committed_rows, [])
+        first, feats = self.committed_rows, self.pending
+        n = feats.shape[0]
+        if first + n != len(tokens) - 1:
+            raise RuntimeError(f"EAGLE drafter out of step: {first} + {n} rows for a context of {len(tokens)} tokens")
+        out = self._run(feats, tokens[first + 1:first + 1 + n], np.arange(first, first + n),
+                        causal_mask(first, n))
+        self.committed_rows += n
+        self.pending = feats[:0]
+        return out[-1:], self._logits(out[-1:])[0]
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        tokens = list(ctx.tokens)
+        h_root, root_logits = self._catch_up(tokens)
+        room = self.cache.max_positions - self.cache.length  # temporary rows left for drafting
+        if self.tree is not None:
+            return self._dynamic(ctx, tokens, h_root, root_logits, room)
+        return self._chains(ctx, tokens, h_root, root_logits, room)
+
+    def _tree_mask(self, ancestors_rows: List[List[int]], start: int) -> np.ndarray:
+        """Rows run at `start`.. each see the committed rows, their ancestors' rows and themselves."""
+        m = np.zeros((len(ancestors_rows), start + len(ancestors_rows)), bool)
+        m[:, :self.committed_rows] = True
+        for j, rows in enumerate(ancestors_rows):
+            m[j, rows] = True
+            m[j, start + j] = True
+        return m
+
+    def _chains(self, ctx: DraftContext, tokens: List[int], h_root, root_logits, room: int) -> DraftTree:
+        b = self.branching
+        depth = min(self.k, ctx.max_nodes // b, 1 + room // b)
+        if depth <= 0:
+            return empty_tree()
+        params = ctx.params
+        mask0 = ctx.mask(())  # the request's grammar, applied to q exactly as to p
+        q0 = process_logits(root_logits, params, tokens, mask0)
+        firsts = pick_children(root_logits, q0, params, tokens, b, ctx.rng, self.sibling_rule, mask0)
+        deterministic = firsts.deterministic
+        out_tokens: List[int] = firsts.tokens.tolist()
+        parents: List[int] = [-1] * len(out_tokens)
+        qs: List[np.ndarray] = [q0] * len(out_tokens) if deterministic else list(firsts.proposals)
+        frontier = list(range(len(out_tokens)))  # each chain's last node
+        hidden = {-1: h_root[0]}  # node -> h' of the row that predicted its children
+        rows: Dict[int, int] = {}  # node -> its temporary cache row
+        root_pos = len(tokens) - 1
+        for d in range(1, depth):
+            start = self.cache.length
+            anc = [[rows[a] for a in self._path(parents, n)[:-1]] for n in frontier]
+            feats = np.stack([hidden[parents[n]] for n in frontier])
+            out = self._run(feats, [out_tokens[n] for n in frontier], np.full(len(frontier), root_pos + d - 1),
+                            self._tree_mask(anc, start))
+            logits = self._logits(out)
+            new_frontier = []
+            for j, node in enumerate(frontier):
+                rows[node] = start + j
+                hidden[node] = out[j]
+                path = [out_tokens[a] for a in self._path(parents, node)]
+                q = process_logits(logits[j], params, tokens + path, ctx.mask(path))
+                t = int(np.argmax(q)) if params.greedy else sample(q, ctx.rng)
+                new_frontier.append(len(out_tokens))
+                out_tokens.append(t)
+                parents.append(node)
+                qs.append(q)
+            frontier = new_frontier
+        return DraftTree(tokens=np.asarray(out_tokens, np.int64), parents=np.asarray(parents, np.int64),
+                         q=None if deterministic else np.stack(qs), deterministic=np.full(len(out_tokens), deterministic))
+
+    def _dynamic(self, ctx: DraftContext, tokens: List[int], h_root, root_logits, room: int) -> DraftTree:
+        tree = replace(self.tree, depth=min(self.tree.depth, 1 + room // self.tree.top_k))
+        # Rank by the drafter's processed distribution (greedy: at temperature 1); the picks are point masses.
+        rank = replace(ctx.params, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) if ctx.params.greedy else ctx.params
+        hidden = {-1: h_root[0]}  # node -> h' of the row that predicted its children
+        rows: Dict[int, int] = {}  # node -> its temporary cache row
+
+        def log_q(logits: np.ndarray, path: List[int]) -> np.ndarray:
+            with np.errstate(divide="ignore"):
+                return np.log(process_logits(logits, rank, tokens + path, ctx.mask(path)))
+
+        def expand(frontier: List[int], toks: List[int], pars: List[int]) -> List[np.ndarray]:
+            start = self.cache.length
+            paths = [self._path(pars, n) for n in frontier]
+            out = self._run(np.stack([hidden[pars[n]] for n in frontier]), [toks[n] for n in frontier],
+                            np.asarray([len(tokens) - 2 + len(path) for path in paths]),
+                            self._tree_mask([[rows[a] for a in path[:-1]] for path in paths], start))
+            logits = self._logits(out)
+            res = []
+            for j, (n, path) in enumerate(zip(frontier, paths)):
+                rows[n] = start + j
+                hidden[n] = out[j]
+                res.append(log_q(logits[j], [toks[a] for a in path]))
+            return res
+
+        toks, pars = dynamic_tree(expand, log_q(root_logits, []), tree, ctx.max_nodes)
+        if not toks:
+            return empty_tree()
+        return DraftTree(tokens=np.asarray(toks, np.int64), parents=np.asarray(pars, np.int64))
+
+    @staticmethod
+    def _path(parents: Sequence[int], node: int) -> List[int]:
+        path = []
+        while node != -1:
+            path.append(node)
+            node = parents[node]
+        return path[::-1]
