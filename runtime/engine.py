@@ -142,6 +142,9 @@ class Engine:
         first, taps, start = self._prefill(prompt, params, rng, state.allowed(()) if state else None)
         if first_token is not None:
             first = int(first_token)
+            if not 0 <= first < self.target.spec.vocab_size or (state is not None and not state.allowed(())[first]):
+                raise RequestError("first_token", f"{first} is not a token the {'grammar allows here' if state else 'vocabulary has'}; "
+                                                  "give one the request could have sampled")
         if state is not None:
             state.commit([first])
         stats.prefill_s = stats.ttft_s = time.perf_counter() - t0

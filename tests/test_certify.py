@@ -63,3 +63,19 @@ def test_certify_with_few_draws_warns_that_the_test_has_no_power(tiny_bundle, ca
                               "--drafter", "draft_model", "--draws", "10", "--trees", "none", "--no-control",
                               "--context", CONTEXT[0]], capsys)
     assert "almost no power" in err and code in (0, 1), (code, err)
+
+
+def test_certify_tests_a_fixed_shape_drafter_once_in_its_own_shape():
+    # Medusa's tree is its choice list: setting `branching` would change nothing, so "branching 2, 3" runs
+    # would re-test one shape under wrong labels (and a chain's dedup control could never fail)
+    from types import SimpleNamespace
+
+    from runtime.commands.certify import tree_widths
+    from runtime.errors import ConfigError
+    medusa_like = SimpleNamespace(kind="medusa", fixed_shape=True, builds_sampled_trees=True, branching=3)
+    assert tree_widths("auto", 1, medusa_like) == [3]
+    assert tree_widths("auto", 1, SimpleNamespace(kind="medusa", fixed_shape=True, branching=1)) == [1]
+    with pytest.raises(ConfigError, match="--trees"):
+        tree_widths("2,3", 1, medusa_like)
+    draft_like = SimpleNamespace(kind="draft_model", builds_sampled_trees=True, branching=1)
+    assert tree_widths("auto", 1, draft_like) == [1, 2, 3]

@@ -89,3 +89,42 @@ def test_a_request_that_fails_midway_leaves_the_next_one_a_full_prefill(tiny_bun
     monkeypatch.setattr(s.engine.target, "forward", forward)
     _, again, _, st = s.generate_ids(prompts[0], params)
     assert st.prefix_tokens == 0 and again == first
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_a_request_whose_last_cycle_verifies_no_tree_leaves_the_draft_model_usable(tiny_bundle, cache):
+    # max_tokens=2: the prefill gives one token and the one cycle left verifies no tree (nothing to draft),
+    # after a request that did draft: the drafter must not act on the earlier request's proposal
+    s = Session.open(tiny_bundle, drafter="draft_model", max_context=512, prefix_cache=cache)
+    plain = Session.open(tiny_bundle, drafter="none", max_context=512, prefix_cache=cache)
+    prompts, unrelated = _requests(s)
+    for ids, n in ((prompts[0], 12), (unrelated, 2), (prompts[1], 12), (prompts[1], 2), (prompts[2], 12)):
+        assert s.generate_ids(ids, GenerationParams(max_tokens=n))[1] == plain.generate_ids(ids, GenerationParams(max_tokens=n))[1]
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(ZOO, "bundle.yaml")), reason="no zoo bundle: run `make bundles`")
+def test_mtp_keeps_its_pending_target_states_over_a_cycle_without_a_tree():
+    # a request ending on a one-token cycle (no tree) leaves target states the module has not run yet; the next
+    # request, extending that one, must reuse every target row and draft exactly what a full prefill drafts
+    def follow_up(cache):
+        s = Session.open(ZOO, drafter="mtp", backend="numpy_ref", prefix_cache=cache)
+        first = s.tokenizer.encode(planner_prompt("open the drawer", CONTEXT))
+        out = s.generate_ids(first, GenerationParams(max_tokens=2))[1]
+        ids = first + out + s.tokenizer.encode("<|ctx|>the drawer is stuck")
+        return len(first) + len(out) - 1, s.generate_ids(ids, GenerationParams(max_tokens=24))  # last token: not run
+    rows, cached = follow_up(True)
+    _, full = follow_up(False)
+    assert cached[3].prefix_tokens == rows  # the prompt and the short request's first token: the whole cache
+    assert cached[1] == full[1] and cached[3].tau == pytest.approx(full[3].tau)
+
+
+def test_a_first_token_the_grammar_or_vocabulary_rules_out_is_a_request_error(tiny_bundle):
+    from runtime.errors import RequestError
+    from runtime.sampling import SamplingParams
+    s = Session.open(tiny_bundle, drafter="none", max_context=512)
+    ids = s.tokenizer.encode("navigate to the kitchen")
+    digits_only = s.grammar(json_schema={"type": "integer"})
+    letter = s.tokenizer.encode("a")[0]
+    for first, grammar in ((letter, digits_only), (10 ** 6, None)):
+        with pytest.raises(RequestError, match="first_token"):
+            s.engine.generate(ids, SamplingParams(), 4, first_token=first, grammar=grammar)

@@ -92,6 +92,11 @@ def check_args(args) -> None:
 
 
 def tree_widths(arg: str, configured: int, drafter) -> List[int]:
+    if getattr(drafter, "fixed_shape", False):  # e.g. Medusa: the tree is its choice list, tested as it is
+        if arg not in ("auto", "none"):
+            raise ConfigError(f"--trees: the drafter {drafter.kind!r} drafts the tree its own data gives (widest node "
+                              f"{drafter.branching}); use --trees auto")
+        return [drafter.branching]
     if arg == "none":
         extra: List[int] = []
     elif arg == "auto":
@@ -139,9 +144,12 @@ def run(args) -> int:
 
 def run_configuration(session, args, params: SamplingParams, width: int) -> str:
     drafter = session.drafter
-    if hasattr(drafter, "branching"):
-        drafter.branching = width
-    shape = "chain" if width == 1 else f"tree, branching {width}"
+    if getattr(drafter, "fixed_shape", False):
+        shape = f"its own tree (widest node {width})"
+    else:
+        if hasattr(drafter, "branching"):
+            drafter.branching = width
+        shape = "chain" if width == 1 else f"tree, branching {width}"
     t0 = time.perf_counter()
     if args.context:
         contexts = list(args.context)

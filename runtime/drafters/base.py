@@ -55,6 +55,9 @@ class Drafter:
     # must take sampled siblings only through this, so that each node's q is what the verifier needs.
     sibling_rule: Callable = staticmethod(draw_siblings)
     builds_sampled_trees: bool = False  # True where `branching` > 1 gives sampled siblings (certify tests them)
+    # True where the tree's shape is the drafter's own data (Medusa's choice list), not set by `branching`:
+    # certify then tests that one shape instead of re-setting `branching`
+    fixed_shape: bool = False
 
     def begin(self, prompt: Sequence[int], taps: Dict[str, np.ndarray], start: int = 0) -> None:
         """A new request: the target has just prefilled `prompt`. With `start` > 0 (only after

@@ -26,7 +26,7 @@ from runtime.errors import BundleError
 from runtime.kv import KVCache
 from runtime.layers import apply_rope, attention, rms_norm, rope_cos_sin, rope_inv_freq, silu
 from runtime.model_spec import ModelSpec
-from runtime.sampling import SamplingParams, process_logits, sample
+from runtime.sampling import process_logits, sample
 from runtime.tree import DraftTree, empty_tree
 
 LAYER_KEYS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",

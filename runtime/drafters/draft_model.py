@@ -47,6 +47,7 @@ class DraftModelDrafter(Drafter):
         self._base = 0  # cache rows holding the context when the last tree was proposed
         self._node_rows: Dict[int, int] = {}  # tree node -> cache row (nodes that were run)
         self._context: List[int] = []
+        self._proposed = False  # a tree was proposed and not yet accepted (a cycle may verify no tree)
 
     @property
     def memory_bytes(self) -> int:
@@ -63,6 +64,7 @@ class DraftModelDrafter(Drafter):
     def reset(self) -> None:
         self.model.reset()
         self.cached = []
+        self._proposed = False
 
     def _run(self, tokens, positions, mask=None) -> np.ndarray:
         return self.model.forward(np.asarray(tokens, np.int64), np.asarray(positions, np.int64), mask).logits
@@ -79,6 +81,7 @@ class DraftModelDrafter(Drafter):
         self._base = len(context)
         self._node_rows = {}
         self._context = context
+        self._proposed = True
         if depth <= 0:
             return empty_tree()
         params = ctx.params
@@ -126,6 +129,9 @@ class DraftModelDrafter(Drafter):
         return path[::-1]
 
     def accept(self, accepted_nodes, committed, taps) -> None:
+        if not self._proposed:  # the engine verified no tree this cycle (one token left): the cache stands as is
+            return
+        self._proposed = False
         rows = []
         for node in accepted_nodes:
             if node not in self._node_rows:

@@ -31,7 +31,7 @@ from runtime.errors import BundleError
 from runtime.kv import KVCache
 from runtime.layers import causal_mask, decoder_layer, rms_norm, rope_cos_sin, rope_inv_freq
 from runtime.model_spec import ModelSpec
-from runtime.sampling import SamplingParams, process_logits, sample
+from runtime.sampling import process_logits, sample
 from runtime.siblings import top_k
 from runtime.tree import DraftTree, empty_tree
 

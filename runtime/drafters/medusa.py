@@ -131,6 +131,7 @@ class MedusaDrafter(Drafter):
     kind = "medusa"
     target_taps = ("final_norm",)
     builds_sampled_trees = True
+    fixed_shape = True  # the choice list is the tree; `branching` only reports its widest node
 
     def __init__(self, weights: Mapping[str, np.ndarray], tree="chain", num_tokens: int = 4, source: str = "medusa",
                  hidden: Optional[int] = None, vocab: Optional[int] = None):

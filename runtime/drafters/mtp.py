@@ -177,4 +177,6 @@ class MTPDrafter(Drafter):
 
     def accept(self, accepted_nodes, committed, taps) -> None:
         self.cache.keep(self.committed_rows, [])  # drop the temporary rows of the chain
-        self.pending = list(taps[self.target_taps[0]])
+        # append: `propose` empties pending, but a cycle that verified no tree (one token left) did not run
+        # the module over the previous cycle's rows, and those must not be lost
+        self.pending = self.pending + list(taps[self.target_taps[0]])
