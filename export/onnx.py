@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
@@ -41,7 +42,7 @@ from runtime import bundle as bundle_mod
 from runtime.backends.base import parse_tap
 from runtime.backends.numpy_ref import NumpyTarget, cache_shape, load_float32, required_weight_names
 from runtime.backends.onnx import OnnxTarget, tap_output_name
-from runtime.errors import BundleError
+from runtime.errors import BundleError, ExportError
 from runtime.kv import KVArena
 from runtime.layers import rope_inv_freq
 from runtime.model_spec import ModelSpec
@@ -302,38 +303,71 @@ def _safetensors_weights(b, files: Sequence[str]) -> Dict[str, np.ndarray]:
     return weights
 
 
+# The largest max relative error (logits and taps, see validate_onnx) an export may show against the numpy
+# reference; above it `edgespec export` refuses the graphs and leaves the bundle as it was. fp32 graphs measure
+# ~1e-6 (summation order), fp16 ~3e-3.
+TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2}
+
+
+def check_against_reference(label: str, err: float, precision: str) -> None:
+    """Raise ExportError when a graph's max relative error `err` exceeds what its precision allows."""
+    if not err <= TOLERANCE[precision]:  # also catches NaN
+        raise ExportError(f"{label}: the exported {precision} graph differs from the numpy reference by {err:.2e} "
+                          f"(max relative error over logits and taps; {precision} allows {TOLERANCE[precision]:.0e}). "
+                          "The bundle was left unchanged. The exporter does not reproduce this model; report it "
+                          "with the bundle's spec (`--no-validate` writes the graphs anyway)")
+
+
 def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[Sequence[str]] = None,
                        validate: bool = True) -> Tuple[str, ...]:
     """Export the bundle's target (from its numpy_ref safetensors) to ONNX and register it as backend
     "onnx"; likewise every `draft_model` drafter that has a spec and safetensors. Taps default to every
-    tap the bundle's drafters read, plus final_norm. Returns the new files (relative to the bundle)."""
+    tap the bundle's drafters read, plus final_norm. Returns the new files (relative to the bundle).
+
+    Every graph is written into a scratch directory inside the bundle and checked against the numpy
+    reference there (validate=True); only when all pass do they move into onnx/ and bundle.yaml change.
+    A graph over TOLERANCE raises ExportError and leaves the bundle exactly as it was."""
     b = bundle_mod.load(bundle_dir)
     if taps is None:
         taps = sorted({"final_norm"} | {t for d in b.drafters.values() for t in d.target_taps})
     weights = _safetensors_weights(b, b.target_files("numpy_ref").files)
     if not weights:
         raise BundleError(f"{bundle_dir}: the numpy_ref target lists no .safetensors files to export from")
-    writer = bundle_mod.BundleWriter.extend(bundle_dir)
-    before = _listed_backend_files(writer.manifest)
     rel = f"onnx/target.{precision}.onnx"
-    export_target_onnx(b.target.spec, weights, os.path.join(bundle_dir, rel), taps, precision)
-    if validate:
-        validate_onnx(b.target.spec, weights, os.path.join(bundle_dir, rel), taps, precision)
-    writer.add_target_backend("onnx", [rel, rel + ".data"], {"precision": precision, "taps": list(taps), "kv_layout": KV_LAYOUT})
-    written = [rel, rel + ".data"]
+    graphs = [("target", rel, b.target.spec, weights, tuple(taps))]
     for name, d in b.drafters.items():
         if d.kind != "draft_model" or d.spec is None:
             continue  # MTP / EAGLE / Medusa / DFlash graphs join here as their modules land
         dw = _safetensors_weights(b, d.files)
-        if not dw:
-            continue
-        drel = f"onnx/drafter.{name}.{precision}.onnx"
-        export_draft_model_onnx(d.spec, dw, os.path.join(bundle_dir, drel), precision)
-        share_initializers(os.path.join(bundle_dir, drel), os.path.join(bundle_dir, rel))  # a shared vocab matrix
-        if validate:
-            validate_onnx(d.spec, dw, os.path.join(bundle_dir, drel), (), precision)
-        writer.add_drafter_backend(name, "onnx", [drel, drel + ".data"], {"precision": precision, "taps": [], "kv_layout": KV_LAYOUT})
-        written += [drel, drel + ".data"]
+        if dw:
+            graphs.append((name, f"onnx/drafter.{name}.{precision}.onnx", d.spec, dw, ()))
+    staging = tempfile.mkdtemp(prefix=".onnx-export-", dir=bundle_dir)
+    try:
+        for label, grel, spec, w, gtaps in graphs:
+            staged = os.path.join(staging, os.path.basename(grel))
+            export_decoder_onnx(spec, w, staged, gtaps, precision)
+            if label != "target":  # a vocab matrix the draft shares with the target is stored once
+                share_initializers(staged, os.path.join(staging, os.path.basename(rel)))
+            if validate:
+                check_against_reference(f"{bundle_dir}/{grel} ({label})",
+                                        validate_onnx(spec, w, staged, gtaps, precision), precision)
+        os.makedirs(os.path.join(bundle_dir, "onnx"), exist_ok=True)
+        for _, grel, *_ in graphs:
+            for suffix in ("", ".data"):
+                os.replace(os.path.join(staging, os.path.basename(grel) + suffix), os.path.join(bundle_dir, grel + suffix))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    writer = bundle_mod.BundleWriter.extend(bundle_dir)
+    before = _listed_backend_files(writer.manifest)
+    written = []
+    for label, grel, _, _, gtaps in graphs:
+        files = [grel, grel + ".data"]
+        params = {"precision": precision, "taps": list(gtaps), "kv_layout": KV_LAYOUT}
+        if label == "target":
+            writer.add_target_backend("onnx", files, params)
+        else:
+            writer.add_drafter_backend(label, "onnx", files, params)
+        written += files
     # One ONNX entry per model: the files of the entry just replaced (another precision) are removed, as
     # the manifest listed them, so that no orphan graph is left on disk. Nothing unlisted is touched.
     listed = set(writer.manifest.get("files") or {})
