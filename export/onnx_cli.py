@@ -14,10 +14,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bundle", required=True, metavar="DIR",
                    help="bundle directory whose numpy_ref target weights are exported; the graphs are added "
                         "to it and bundle.yaml is rewritten with their checksums")
-    p.add_argument("--precision", choices=("fp32", "fp16"), default="fp32",
-                   help="fp32 (default; matches the numpy reference within 1e-4) or fp16 (weights, "
-                        "activations and KV cache in float16; norms/softmax in float32). A bundle holds one ONNX "
-                        "entry per model: exporting the other precision replaces it and removes its files")
+    p.add_argument("--precision", choices=("fp32", "fp16", "int8", "int4"), default="fp32",
+                   help="fp32 (default; matches the numpy reference within 1e-4) or fp16 (weights, activations and "
+                        "KV cache in float16; norms/softmax in float32): the float graph, one per model (exporting "
+                        "the other float precision replaces it and removes its files). int8 / int4: the target's "
+                        "decoder-layer weights quantised by ONNX Runtime's MatMulNBits quantiser (block-wise, "
+                        "symmetric; activations, KV and LM head float32), stored NEXT to the float graph; run it "
+                        "with `--precision int8` (or backend.precision: int8): it then IS the target")
+    p.add_argument("--block-size", type=int, default=32, choices=(16, 32, 64, 128, 256),
+                   help="int8/int4: input channels per quantisation block, each with its own scale (default 32)")
     p.add_argument("--taps", nargs="+", metavar="TAP", default=None,
                    help="hidden states to export as extra outputs: final_norm, layer_in.I, layer_out.I. "
                         "Default: every tap the bundle's drafters read, plus final_norm")
@@ -28,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from export.onnx import add_onnx_to_bundle
 
-    files = add_onnx_to_bundle(args.bundle, args.precision, args.taps, validate=not args.no_validate)
+    files = add_onnx_to_bundle(args.bundle, args.precision, args.taps, validate=not args.no_validate,
+                               block_size=args.block_size)
     for f in files:
         print(f"wrote {args.bundle}/{f}")
     return 0

@@ -40,7 +40,9 @@ class BackendConfig:
     kind: str = limits("auto", choices=("numpy_ref", "onnx", "gguf", "tensorrt", "auto"))
     threads: int = limits(0, min=0, max=256, doc="0 = one per CPU core")
     providers: Tuple[str, ...] = ("CPUExecutionProvider",)
-    precision: str = limits("fp32", choices=("fp32", "fp16"))
+    precision: str = limits("auto", choices=("auto", "fp32", "fp16", "int8", "int4"),
+                            doc="which ONNX target graph of the bundle runs: auto = its float graph (fp32 or fp16); "
+                                "int8 / int4 = the weight-only quantised graph, which then IS the target")
     # Batch-1 gemv on shared cores is fastest single-threaded (see runtime/blas.py); 0 = numpy's default.
     blas_threads: int = limits(1, min=0, max=256, doc="numpy BLAS threads for the numpy backend and drafters")
 

@@ -180,9 +180,10 @@ class Session:
             positions = min(positions, fit)
         # A request longer than this is refused by the budget (not by max_context) before it runs.
         self.budget_positions = positions if self.budget_bytes > 0 and positions < config.memory.max_context else None
-        files = b.target_files(backend.kind)
+        # backend.precision picks the ONNX target graph (the float one, or a quantised one that then IS the target)
+        files = b.onnx_target(backend.precision) if backend.kind == "onnx" else b.target_files(backend.kind)
         # (numpy drafters sharing an fp16 arena read it upcast; only the drafter's precision is affected, not exactness)
-        kv_dtype = np.float16 if memory.bundle_kv_bytes(b, backend.kind) == 2 else np.float32
+        kv_dtype = np.float16 if files.params.get("precision") == "fp16" else np.float32
         # + drafted rows: a drafter's cache holds the context plus the branch it is drafting
         self.arena = KVArena.for_context(shapes, positions + memory.DRAFT_SLACK, dtype=kv_dtype)
         cache = self.arena.allocate("target", shapes["target"], positions)

@@ -324,3 +324,6 @@ def test_export_refuses_a_graph_that_differs_from_the_reference_and_leaves_the_b
     assert "onnx/target.fp32.onnx (target): the exported fp32 graph differs from the numpy reference by" in err
     assert "fp32 allows 1e-04" in err and "left unchanged" in err and "Traceback" not in err
     assert snapshot() == before
+    monkeypatch.undo()  # the right graph replaces the same-named entry, validated
+    assert main(["export", "--to", "onnx", "--bundle", root]) == 0
+    bundle_mod.load(root)
