@@ -38,7 +38,7 @@ import onnx
 import torch
 from torch import nn
 
-from export.onnx_quantize import BITS, quantize_graph
+from export.onnx_quantize import ACCURACY_LEVEL, BITS, quantize_graph
 from runtime import bundle as bundle_mod
 from runtime.backends.base import parse_tap
 from runtime.backends.numpy_ref import NumpyTarget, cache_shape, load_float32, required_weight_names
@@ -323,7 +323,8 @@ def check_against_reference(label: str, err: float, precision: str) -> None:
 
 
 def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[Sequence[str]] = None,
-                       validate: bool = True, block_size: int = 32) -> Tuple[str, ...]:
+                       validate: bool = True, block_size: int = 32,
+                       accuracy_level: Optional[int] = None) -> Tuple[str, ...]:
     """Export the bundle's target (from its numpy_ref safetensors) to ONNX and register it as backend
     "onnx"; likewise every `draft_model` drafter that has a spec and safetensors. Taps default to every
     tap the bundle's drafters read, plus final_norm. Returns the new files (relative to the bundle).
@@ -344,6 +345,7 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
     if precision not in ONNX_PRECISIONS:
         raise ValueError(f"precision {precision!r}: expected one of {list(ONNX_PRECISIONS)}")
     quantised = precision in BITS
+    level = ACCURACY_LEVEL.get(precision, 0) if accuracy_level is None else accuracy_level
     rel = f"onnx/target.{precision}.onnx"
     graphs = [("target", rel, b.target.spec, weights, tuple(taps))]
     for name, d in b.drafters.items():
@@ -359,7 +361,7 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
             staged = os.path.join(staging, os.path.basename(grel))
             if quantised:
                 float_graph = export_decoder_onnx(spec, w, os.path.join(staging, "float.fp32.onnx"), gtaps, "fp32")
-                quantize_graph(float_graph, staged, precision, spec.vocab_size, block_size)
+                quantize_graph(float_graph, staged, precision, spec.vocab_size, block_size, level)
             else:
                 export_decoder_onnx(spec, w, staged, gtaps, precision)
             if label != "target":  # a vocab matrix the draft shares with the target is stored once
@@ -379,7 +381,8 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
         files = [grel, grel + ".data"]
         params = {"precision": precision, "taps": list(gtaps), "kv_layout": KV_LAYOUT}
         if quantised:
-            params.update(block_size=block_size, quantizer="onnxruntime MatMulNBits, symmetric, LM head float32")
+            params.update(block_size=block_size, accuracy_level=level,
+                          quantizer="onnxruntime MatMulNBits, symmetric, LM head float32")
         if label == "target":
             writer.add_target_backend(onnx_entry_key(precision), files, params)
         else:

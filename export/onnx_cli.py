@@ -23,6 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with `--precision int8` (or backend.precision: int8): it then IS the target")
     p.add_argument("--block-size", type=int, default=32, choices=(16, 32, 64, 128, 256),
                    help="int8/int4: input channels per quantisation block, each with its own scale (default 32)")
+    p.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=None,
+                   help="int8/int4: MatMulNBits' accuracy_level, 0 = float32 compute, 4 = int8 activations and "
+                        "integer dot products (default: the faster one measured on CPU, see export/onnx_quantize.py)")
     p.add_argument("--taps", nargs="+", metavar="TAP", default=None,
                    help="hidden states to export as extra outputs: final_norm, layer_in.I, layer_out.I. "
                         "Default: every tap the bundle's drafters read, plus final_norm")
@@ -34,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from export.onnx import add_onnx_to_bundle
 
     files = add_onnx_to_bundle(args.bundle, args.precision, args.taps, validate=not args.no_validate,
-                               block_size=args.block_size)
+                               block_size=args.block_size, accuracy_level=args.accuracy_level)
     for f in files:
         print(f"wrote {args.bundle}/{f}")
     return 0
