@@ -23,6 +23,10 @@ fp16: weights, activations and the K/V are float16; RMSNorm statistics, rope ang
 in float32 (as HF does under autocast) and logits / taps leave the graph as float32. This halves the
 weight bytes a memory-bound decode streams and is the graph TensorRT / the CUDA EP want.
 
+int8 / int4: the fp32 graph with its decoder-layer MatMuls weight-only quantised by ONNX Runtime's
+MatMulNBits quantiser (export/onnx_quantize.py); same inputs and outputs (float32), bundle entry
+"onnx.int8" / "onnx.int4" next to the float graph's "onnx".
+
 A drafter that is a decoder stack of its own (a draft model) is exported by the same function with
 its own spec and weights: it gets its own KV view in the same arena at run time."""
 from __future__ import annotations
