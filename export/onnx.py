@@ -16,12 +16,16 @@ Graph contract (recorded in the bundle as backend "onnx", params {"precision", "
            new_value_{i}   kv      (T, nkv, d)
 Per-layer K/V inputs let the runtime keep its cache layer-major ((L, max_pos, nkv, d) in the arena), so
 each layer's past is one contiguous block bound by pointer: the graph never slices or copies the past.
-Attention reads each layer's past exactly once, as a 2-D (P, nkv*d) matrix (see `_attention`).
+Attention is grouped per KV head (see `_attention`): no K/V head is repeated.
 T and P are dynamic. `kv` is float32 (precision fp32) or float16 (precision fp16).
 
 fp16: weights, activations and the K/V are float16; RMSNorm statistics, rope angles and softmax run
 in float32 (as HF does under autocast) and logits / taps leave the graph as float32. This halves the
 weight bytes a memory-bound decode streams and is the graph TensorRT / the CUDA EP want.
+
+int8 / int4: the fp32 graph with its decoder-layer MatMuls weight-only quantised by ONNX Runtime's
+MatMulNBits quantiser (export/onnx_quantize.py); same inputs and outputs (float32), bundle entry
+"onnx.int8" / "onnx.int4" next to the float graph's "onnx".
 
 A drafter that is a decoder stack of its own (a draft model) is exported by the same function with
 its own spec and weights: it gets its own KV view in the same arena at run time."""
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
@@ -37,11 +42,13 @@ import onnx
 import torch
 from torch import nn
 
+from export.onnx_quantize import ACCURACY_LEVEL, BITS, quantize_graph
 from runtime import bundle as bundle_mod
 from runtime.backends.base import parse_tap
 from runtime.backends.numpy_ref import NumpyTarget, cache_shape, load_float32, required_weight_names
 from runtime.backends.onnx import OnnxTarget, tap_output_name
-from runtime.errors import BundleError
+from runtime.bundle import ONNX_PRECISIONS, onnx_entry_key
+from runtime.errors import BundleError, ExportError
 from runtime.kv import KVArena
 from runtime.layers import rope_inv_freq
 from runtime.model_spec import ModelSpec
@@ -93,7 +100,6 @@ class DecoderGraph(nn.Module):
             self._names[name] = attr
         # The rope inverse frequencies are the numpy reference's (incl. linear / llama3 scaling), baked in.
         self.register_buffer("inv_freq", torch.from_numpy(rope_inv_freq(spec).copy()), persistent=False)
-        self.register_buffer("kv_eye", torch.eye(spec.num_kv_heads, dtype=self.dtype), persistent=False)
 
     def w(self, name: str) -> torch.Tensor:
         return getattr(self, self._names[name])
@@ -105,23 +111,21 @@ class DecoderGraph(nn.Module):
     def _attention(self, q, k, v, past_k, past_v, mask):
         """q (T, nh, d); k/v (T, nkv, d); past_k/v (P, nkv, d); mask (T, P+T) float32 additive -> (T, nh*d).
 
-        The past is read once, as the 2-D matrix (P, nkv*d), with no transpose or slice copy: the query
-        of kv-head n is placed in columns n*d..(n+1)*d of a block-diagonal (nkv*g*T, nkv*d) matrix, so
-        one GEMM against past^T gives every head's scores (the zero blocks add exact zeros). Likewise
-        probs @ past gives (nkv*g*T, nkv*d) of which head n keeps its diagonal block. The extra FLOPs
-        (x nkv) are cheap next to reading the cache; the new rows (T, small) use the plain form."""
+        Grouped-query attention done per KV head, as runtime.layers.attention does it: the g = nh/nkv query
+        heads that share KV head n are stacked into one (g*T, d) block, so one batched matmul over the nkv
+        KV heads gives every score (exactly the FLOPs needed, no repeated K/V). The past and the new rows
+        stay separate inputs (no concat of the cache); only the (nkv, g*T, P+T) scores are joined, so the
+        additive mask (any tree) applies to both."""
         s = self.spec
         t, nkv, g, d = q.shape[0], s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim
         p = past_k.shape[0]
         qg = q.reshape(t, nkv, g, d).permute(1, 2, 0, 3).reshape(nkv, g * t, d)  # (nkv, g*T, d)
-        q_blocks = (qg[:, :, None, :] * self.kv_eye[:, None, :, None]).reshape(nkv * g * t, nkv * d)
-        s_past = (q_blocks @ past_k.reshape(p, nkv * d).t()).reshape(nkv, g * t, p)  # (nkv, g*T, P)
+        s_past = qg @ past_k.permute(1, 2, 0)  # (nkv, g*T, P)
         s_new = qg @ k.permute(1, 2, 0)  # (nkv, g*T, T)
         scores = torch.cat([s_past, s_new], dim=-1).float() * (1.0 / float(np.sqrt(d)))
-        scores = scores.reshape(nkv, g, t, -1) + mask  # (nkv, g, T, P+T)
-        probs = torch.softmax(scores, dim=-1).to(q.dtype).reshape(nkv, g * t, -1)
-        o_all = (probs[..., :p].reshape(nkv * g * t, p) @ past_v.reshape(p, nkv * d)).reshape(nkv, g * t, nkv, d)
-        out = (o_all * self.kv_eye[:, None, :, None]).sum(dim=2) + probs[..., p:] @ v.permute(1, 0, 2)  # (nkv, g*T, d)
+        scores = scores.reshape(nkv, g, t, p + t) + mask  # (nkv, g, T, P+T)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).reshape(nkv, g * t, p + t)
+        out = probs[..., :p] @ past_v.permute(1, 0, 2) + probs[..., p:] @ v.permute(1, 0, 2)  # (nkv, g*T, d)
         return out.reshape(nkv, g, t, d).permute(2, 0, 1, 3).reshape(t, s.num_heads * d)
 
     def forward(self, input_ids, position_ids, attention_mask, past_keys, past_values):
@@ -268,7 +272,8 @@ def reference_cases(spec: ModelSpec, seed: int = 0):
 def validate_onnx(spec: ModelSpec, weights: Mapping[str, np.ndarray], onnx_path: str,
                   taps: Sequence[str] = ("final_norm",), precision: str = "fp32", verbose: bool = True) -> float:
     """Run the exported graph through OnnxTarget and the numpy reference on a few inputs; print and
-    return the max relative error over logits and taps (|a-b|max / |b|max)."""
+    return the max relative error over logits and taps (|a-b|max / |b|max). A quantised graph (int8/int4)
+    is compared with the float32 reference (its error is the quantisation's)."""
     kv_dtype = np.float16 if precision == "fp16" else np.float32
     worst = 0.0
     for name, prefix, tokens, positions, mask in reference_cases(spec):
@@ -302,38 +307,91 @@ def _safetensors_weights(b, files: Sequence[str]) -> Dict[str, np.ndarray]:
     return weights
 
 
+# The largest max relative error (logits and taps, see validate_onnx) an export may show against the numpy
+# reference; above it `edgespec export` refuses the graphs and leaves the bundle as it was. fp32 graphs measure
+# ~1e-6 (summation order), fp16 ~3e-3. A weight-only quantised graph is compared with the same float32
+# reference, so its bound only catches a broken graph (error ~1): the zoo measured 8e-3 (int8) and 1.2e-1
+# (int4, block 32), the random-weight test model 6.5e-2 (int8).
+TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2, "int8": 2e-1, "int4": 5e-1}
+
+
+def check_against_reference(label: str, err: float, precision: str) -> None:
+    """Raise ExportError when a graph's max relative error `err` exceeds what its precision allows."""
+    if err <= TOLERANCE[precision]:  # NaN fails too
+        return
+    why = ("quantisation moved this model further than that; try a smaller --block-size, or int8 for int4"
+           if precision in BITS else "the exporter does not reproduce this model; report it with the bundle's spec")
+    raise ExportError(f"{label}: the exported {precision} graph differs from the numpy reference by {err:.2e} "
+                      f"(max relative error over logits and taps; {precision} allows {TOLERANCE[precision]:.0e}). "
+                      f"The bundle was left unchanged: {why} (`--no-validate` writes the graphs anyway)")
+
+
 def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[Sequence[str]] = None,
-                       validate: bool = True) -> Tuple[str, ...]:
+                       validate: bool = True, block_size: int = 32,
+                       accuracy_level: Optional[int] = None) -> Tuple[str, ...]:
     """Export the bundle's target (from its numpy_ref safetensors) to ONNX and register it as backend
     "onnx"; likewise every `draft_model` drafter that has a spec and safetensors. Taps default to every
-    tap the bundle's drafters read, plus final_norm. Returns the new files (relative to the bundle)."""
+    tap the bundle's drafters read, plus final_norm. Returns the new files (relative to the bundle).
+
+    precision int8 / int4: the target's fp32 graph, weight-only quantised by ONNX Runtime's MatMulNBits
+    quantiser (export/onnx_quantize.py, blocks of `block_size`), registered NEXT to the float graph as
+    entry "onnx.int8" / "onnx.int4" (`backend.precision` selects it); drafters are not quantised.
+
+    Every graph is written into a scratch directory inside the bundle and checked against the numpy
+    reference there (validate=True); only when all pass do they move into onnx/ and bundle.yaml change.
+    A graph over TOLERANCE raises ExportError and leaves the bundle exactly as it was."""
     b = bundle_mod.load(bundle_dir)
     if taps is None:
         taps = sorted({"final_norm"} | {t for d in b.drafters.values() for t in d.target_taps})
     weights = _safetensors_weights(b, b.target_files("numpy_ref").files)
     if not weights:
         raise BundleError(f"{bundle_dir}: the numpy_ref target lists no .safetensors files to export from")
-    writer = bundle_mod.BundleWriter.extend(bundle_dir)
-    before = _listed_backend_files(writer.manifest)
+    if precision not in ONNX_PRECISIONS:
+        raise ValueError(f"precision {precision!r}: expected one of {list(ONNX_PRECISIONS)}")
+    quantised = precision in BITS
+    level = ACCURACY_LEVEL.get(precision, 0) if accuracy_level is None else accuracy_level
     rel = f"onnx/target.{precision}.onnx"
-    export_target_onnx(b.target.spec, weights, os.path.join(bundle_dir, rel), taps, precision)
-    if validate:
-        validate_onnx(b.target.spec, weights, os.path.join(bundle_dir, rel), taps, precision)
-    writer.add_target_backend("onnx", [rel, rel + ".data"], {"precision": precision, "taps": list(taps), "kv_layout": KV_LAYOUT})
-    written = [rel, rel + ".data"]
+    graphs = [("target", rel, b.target.spec, weights, tuple(taps))]
     for name, d in b.drafters.items():
-        if d.kind != "draft_model" or d.spec is None:
+        if quantised or d.kind != "draft_model" or d.spec is None:
             continue  # MTP / EAGLE / Medusa / DFlash graphs join here as their modules land
         dw = _safetensors_weights(b, d.files)
-        if not dw:
-            continue
-        drel = f"onnx/drafter.{name}.{precision}.onnx"
-        export_draft_model_onnx(d.spec, dw, os.path.join(bundle_dir, drel), precision)
-        share_initializers(os.path.join(bundle_dir, drel), os.path.join(bundle_dir, rel))  # a shared vocab matrix
-        if validate:
-            validate_onnx(d.spec, dw, os.path.join(bundle_dir, drel), (), precision)
-        writer.add_drafter_backend(name, "onnx", [drel, drel + ".data"], {"precision": precision, "taps": [], "kv_layout": KV_LAYOUT})
-        written += [drel, drel + ".data"]
+        if dw:
+            graphs.append((name, f"onnx/drafter.{name}.{precision}.onnx", d.spec, dw, ()))
+    writer = bundle_mod.BundleWriter.extend(bundle_dir)  # reads (and checks) the manifest before any file changes
+    staging = tempfile.mkdtemp(prefix=".onnx-export-", dir=bundle_dir)
+    try:
+        for label, grel, spec, w, gtaps in graphs:
+            staged = os.path.join(staging, os.path.basename(grel))
+            if quantised:
+                float_graph = export_decoder_onnx(spec, w, os.path.join(staging, "float.fp32.onnx"), gtaps, "fp32")
+                quantize_graph(float_graph, staged, precision, spec.vocab_size, block_size, level)
+            else:
+                export_decoder_onnx(spec, w, staged, gtaps, precision)
+            if label != "target":  # a vocab matrix the draft shares with the target is stored once
+                share_initializers(staged, os.path.join(staging, os.path.basename(rel)))
+            if validate:
+                check_against_reference(f"{bundle_dir}/{grel} ({label})",
+                                        validate_onnx(spec, w, staged, gtaps, precision), precision)
+        os.makedirs(os.path.join(bundle_dir, "onnx"), exist_ok=True)
+        for _, grel, *_ in graphs:
+            for suffix in ("", ".data"):
+                os.replace(os.path.join(staging, os.path.basename(grel) + suffix), os.path.join(bundle_dir, grel + suffix))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    before = _listed_backend_files(writer.manifest)
+    written = []
+    for label, grel, _, _, gtaps in graphs:
+        files = [grel, grel + ".data"]
+        params = {"precision": precision, "taps": list(gtaps), "kv_layout": KV_LAYOUT}
+        if quantised:
+            params.update(block_size=block_size, accuracy_level=level,
+                          quantizer="onnxruntime MatMulNBits, symmetric, LM head float32")
+        if label == "target":
+            writer.add_target_backend(onnx_entry_key(precision), files, params)
+        else:
+            writer.add_drafter_backend(label, "onnx", files, params)
+        written += files
     # One ONNX entry per model: the files of the entry just replaced (another precision) are removed, as
     # the manifest listed them, so that no orphan graph is left on disk. Nothing unlisted is touched.
     listed = set(writer.manifest.get("files") or {})

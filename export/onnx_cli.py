@@ -16,12 +16,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bundle", required=True, metavar="DIR",
                    help="bundle directory whose numpy_ref target weights are exported; the graphs are added "
                         "to it and bundle.yaml is rewritten with their checksums")
-    p.add_argument("--precision", choices=("fp32", "fp16"), default=None,
-                   help="onnx: fp32 (default; matches the numpy reference within 1e-4) or fp16 (weights, "
-                        "activations and KV cache in float16; norms/softmax in float32). A bundle holds one ONNX "
-                        "entry per model: exporting the other precision replaces it and removes its files. "
+    p.add_argument("--precision", choices=("fp32", "fp16", "int8", "int4"), default=None,
+                   help="onnx: fp32 (default; matches the numpy reference within 1e-4) or fp16 (weights, activations "
+                        "and KV cache in float16; norms/softmax in float32): the float graph, one per model (exporting "
+                        "the other float precision replaces it and removes its files). int8 / int4: the target's "
+                        "decoder-layer weights quantised by ONNX Runtime's MatMulNBits quantiser (block-wise, "
+                        "symmetric; activations, KV and LM head float32), stored NEXT to the float graph; run it "
+                        "with `--precision int8` (or backend.precision: int8): it then IS the target. "
                         "tensorrt: engines take the precision of the bundle's ONNX graphs (export those with "
                         "--precision fp16 first for fp16 engines); a value here must match them")
+    p.add_argument("--block-size", type=int, default=32, choices=(16, 32, 64, 128, 256),
+                   help="onnx int8/int4: input channels per quantisation block, each with its own scale (default 32)")
+    p.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=None,
+                   help="onnx int8/int4: MatMulNBits' accuracy_level, 0 = float32 compute, 4 = int8 activations and "
+                        "integer dot products (default: the faster one measured on CPU, see export/onnx_quantize.py)")
     p.add_argument("--taps", nargs="+", metavar="TAP", default=None,
                    help="onnx: hidden states to export as extra outputs: final_norm, layer_in.I, layer_out.I. "
                         "Default: every tap the bundle's drafters read, plus final_norm")
@@ -67,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
 
         raise BackendError(f"the ONNX export needs the workstation side ({exc.name} is missing): run it on a "
                            "workstation with `pip install edgespec[export]` and copy the bundle to the robot") from None
-    files = add_onnx_to_bundle(args.bundle, args.precision or "fp32", args.taps, validate=not args.no_validate)
+    files = add_onnx_to_bundle(args.bundle, args.precision or "fp32", args.taps, validate=not args.no_validate,
+                               block_size=args.block_size, accuracy_level=args.accuracy_level)
     for f in files:
         print(f"wrote {args.bundle}/{f}")
     return 0

@@ -4,7 +4,9 @@
 
 Prints, in the roofline habit:
   * measured memory bandwidth (a numpy copy of a >= 512 MB array: bytes read + bytes written / time)
-  * time per forward for 1/4/8/16 new tokens at context 64/512/2048 (median of --repeats)
+  * time per forward for 1/2/4/8/16 new tokens at context 64/512/2048, every shape timed once per round
+    in a random order (interleaved), median [min-max] of --repeats rounds, with a 1-token control cell
+  * verify(k) / a 1-token step at each context, as the ratio within each round
   * step time vs context (1 new token): it must stay flat apart from attention
   * plain greedy decode tokens/s vs the bound bandwidth / weight bytes, as a percentage
   * Python overhead per cycle (time outside the backend's kernel call) as a share of the cycle
@@ -13,13 +15,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
-from typing import List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
 from runtime import bundle as bundle_mod
 from runtime.backends.numpy_ref import NumpyTarget, cache_shape
+from runtime.errors import EdgespecError
 from runtime.kv import KVArena
 from runtime.tensors import read_safetensors
 
@@ -41,17 +45,19 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def open_target(b: bundle_mod.Bundle, backend: str, positions: int, threads: int):
-    """The bundle's target on `backend` with a fresh arena for `positions` rows."""
+def open_target(b: bundle_mod.Bundle, backend: str, positions: int, threads: int, profile_prefix: str = "",
+                precision: str = "auto"):
+    """The bundle's target on `backend` (onnx: its graph of `precision`) with a fresh arena for `positions` rows."""
     spec = b.target.spec
     if backend == "onnx":
         from runtime.backends.onnx import OnnxTarget
 
-        files = b.target_files("onnx")
+        files = b.onnx_target(precision)
         dtype = np.float16 if files.params.get("precision") == "fp16" else np.float32
         cache = KVArena.for_context({"target": cache_shape(spec)}, positions, dtype).allocate("target", cache_shape(spec), positions)
         model = next(f for f in files.files if f.endswith(".onnx"))
-        return OnnxTarget(spec, b.path(model), cache, threads=threads, tap_names=files.params.get("taps", ()))
+        return OnnxTarget(spec, b.path(model), cache, threads=threads, tap_names=files.params.get("taps", ()),
+                          profile_prefix=profile_prefix)
     if backend == "tensorrt":
         from runtime.backends.factory import open_model
         from runtime.config import BackendConfig
@@ -68,16 +74,67 @@ def open_target(b: bundle_mod.Bundle, backend: str, positions: int, threads: int
     return NumpyTarget(spec, weights, cache)
 
 
-def time_forward(target, context: int, t: int, repeats: int, rng: np.random.Generator) -> float:
-    """Median seconds of one forward of t new tokens (causal) on a cache holding `context` rows.
-    The rows' contents do not matter for timing, so the cache length is set directly and rolled back."""
-    times = []
-    for _ in range(repeats + 1):
-        target.keep(0, [])
-        target.cache.length = context
-        tokens = rng.integers(0, target.spec.vocab_size, t)
-        times.append(_timed(lambda: target.forward(tokens, np.arange(context, context + t))))
-    return statistics.median(times[1:])  # the first call warms up this shape
+def time_one(target, context: int, t: int, rng: np.random.Generator) -> float:
+    """Seconds of one forward of t new tokens (causal) on a cache holding `context` rows. The rows'
+    contents do not matter for timing, so the cache length is set directly and rolled back."""
+    target.keep(0, [])
+    target.cache.length = context
+    tokens = rng.integers(0, target.spec.vocab_size, t)
+    return _timed(lambda: target.forward(tokens, np.arange(context, context + t)))
+
+
+CONTROL = "1 (control)"  # a second 1-token cell per context: its ratio to the first shows the noise floor
+
+
+def interleaved_grid(target, contexts: Sequence[int], news: Sequence[int], rounds: int,
+                     rng: np.random.Generator) -> Dict[Tuple, List[float]]:
+    """One forward per cell (new tokens x context, plus a CONTROL 1-token cell per context), every cell
+    once per round in a fresh random order, so that load on shared cores hits all shapes alike (timing
+    one shape after another let a busy minute land on one shape). A first round warms each shape up and
+    is dropped. Returns {(t, context): [seconds per round]}."""
+    cells = [(t, c) for t in news for c in contexts] + [(CONTROL, c) for c in contexts]
+    times: Dict[Tuple, List[float]] = {cell: [] for cell in cells}
+    for r in range(rounds + 1):
+        for i in rng.permutation(len(cells)):
+            t, c = cells[i]
+            s = time_one(target, c, 1 if t == CONTROL else t, rng)
+            if r:
+                times[cells[i]].append(s)
+    return times
+
+
+def _spread(xs: Sequence[float], fmt: str) -> str:
+    """'median [min-max]' of xs, each formatted with fmt."""
+    return f"{fmt.format(statistics.median(xs))} [{fmt.format(min(xs))}-{fmt.format(max(xs))}]"
+
+
+def profile_ops(bundle_dir: str, context: int, t: int, steps: int, threads: int, prefix: str,
+                precision: str = "auto") -> List[str]:
+    """Run `steps` forwards of t new tokens at `context` under ONNX Runtime's profiler and summarise its
+    JSON trace: milliseconds per step by op type (kernel time, summed over nodes), largest first."""
+    import json
+    from collections import defaultdict
+
+    b = bundle_mod.load(bundle_dir, verify_checksums=False)
+    target = open_target(b, "onnx", context + t + 1, threads, profile_prefix=prefix, precision=precision)
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        time_one(target, context, t, rng)
+    path = target.session.end_profiling()
+    with open(path) as f:
+        events = json.load(f)
+    per_op: Dict[str, float] = defaultdict(float)
+    runs = [e["dur"] for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
+    for e in events:
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
+            per_op[e["args"].get("op_name", "?")] += e["dur"]
+    run_ms = statistics.median(runs) / 1e3 if runs else float("nan")
+    total = sum(per_op.values())
+    lines = [f"ORT profile ({path}): {t} new tokens at ctx {context}, {steps} runs; model_run median {run_ms:.2f} ms",
+             "op type | ms per run | share of kernel time"]
+    for op, us in sorted(per_op.items(), key=lambda kv: -kv[1]):
+        lines.append(f"{op} | {us / 1e3 / steps:.2f} | {100 * us / total:.1f}%")
+    return lines
 
 
 def decode_loop(target, prompt: np.ndarray, n: int):
@@ -112,32 +169,34 @@ def verify_cycle_overhead(target, context: int, t: int, cycles: int, rng: np.ran
 
 
 def run(bundle_dir: str, backend: str, threads: int, contexts: Sequence[int], news: Sequence[int],
-        repeats: int, decode_tokens: int) -> List[str]:
+        repeats: int, decode_tokens: int, precision: str = "auto") -> List[str]:
     b = bundle_mod.load(bundle_dir, verify_checksums=False)
     rows = max(max(contexts) + max(news), PROMPT + decode_tokens) + 1
-    target = open_target(b, backend, rows, threads)
+    target = open_target(b, backend, rows, threads, precision=precision)
     rng = np.random.default_rng(0)
     bw = measure_bandwidth()
     wbytes = target.weight_bytes
     lines = [f"bundle {b.name}: {b.target.spec.family}, {b.target.spec.num_layers} layers, hidden {b.target.spec.hidden_size}, "
-             f"vocab {b.target.spec.vocab_size}; backend {backend}, threads {getattr(target, 'threads', 'numpy')}",
-             f"weights {wbytes / 1e6:.1f} MB; measured bandwidth {bw / 1e9:.1f} GB/s (numpy copy, 512 MB)",
-             "", "ms per forward (median of %d)" % repeats,
-             "new tokens | " + " | ".join(f"ctx {c:>5d}" for c in contexts)]
-    grid = {}
-    for t in news:
-        row = [time_forward(target, c, t, repeats, rng) for c in contexts]
-        grid[t] = row
-        lines.append(f"{t:>10d} | " + " | ".join(f"{1e3 * s:9.2f}" for s in row))
-    base = grid[news[0]][0]
-    lines += ["", "relative to %d token at ctx %d:" % (news[0], contexts[0])]
-    for t in news:
-        lines.append(f"{t:>10d} | " + " | ".join(f"{s / base:8.2f}x" for s in grid[t]))
-    sweep = sorted({c for c in (64, 128, 256, 512, 1024, 2048, 4096) if c <= max(contexts)} | set(contexts))
-    steps = [time_forward(target, c, 1, repeats, rng) for c in sweep]
+             f"vocab {b.target.spec.vocab_size}; backend {backend} ({precision}), threads {getattr(target, 'threads', 'numpy')}",
+             f"weights {wbytes / 1e6:.1f} MB; measured bandwidth {bw / 1e9:.1f} GB/s (numpy copy, 512 MB)"]
+    news = [1] + [t for t in news if t != 1]
+    times = interleaved_grid(target, contexts, news, repeats, rng)
+    rows = news + [CONTROL]
+    head = f"{'new tokens':>12s} | " + " | ".join(f"{'ctx %d' % c:>24s}" for c in contexts)
+    lines += ["", f"ms per forward, median [min-max] of {repeats} interleaved rounds (every shape once per round, "
+                  "random order)", head]
+    for t in rows:
+        lines.append(f"{t:>12} | " + " | ".join(f"{_spread([1e3 * x for x in times[t, c]], '{:.2f}'):>24s}"
+                                                for c in contexts))
+    lines += ["", "verify cost / a 1-token step at the same context (ratio within each round, median [min-max]); "
+                  "the control row is 1 token vs 1 token", head]
+    for t in rows[1:]:
+        lines.append(f"{t:>12} | " + " | ".join(
+            f"{_spread([x / y for x, y in zip(times[t, c], times[1, c])], '{:.2f}x'):>24s}" for c in contexts))
+    steps = [statistics.median(times[1, c]) for c in contexts]
     lines += ["", "step time vs context (1 new token): " +
-              "  ".join(f"{c}: {1e3 * s:.2f} ms" for c, s in zip(sweep, steps)) +
-              f"  (x{steps[-1] / steps[0]:.2f} from {sweep[0]} to {sweep[-1]})"]
+              "  ".join(f"{c}: {1e3 * s:.2f} ms" for c, s in zip(contexts, steps)) +
+              f"  (x{steps[-1] / steps[0]:.2f} from {contexts[0]} to {contexts[-1]})"]
     n = decode_tokens
     secs, kernel = decode_loop(target, rng.integers(0, b.target.spec.vocab_size, PROMPT), n)
     tps, bound = n / secs, bw / wbytes
@@ -159,13 +218,32 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bundle", required=True, help="bundle directory (e.g. build/bundles/zoo)")
     ap.add_argument("--backend", default="onnx", choices=("onnx", "numpy_ref", "tensorrt"))
+    ap.add_argument("--precision", default="auto", choices=("auto", "fp32", "fp16", "int8", "int4"),
+                    help="onnx: which target graph of the bundle (auto = its float graph)")
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = core count)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[64, 512, 2048])
-    ap.add_argument("--new-tokens", type=int, nargs="+", default=[1, 4, 8, 16])
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--new-tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--repeats", type=int, default=10, help="interleaved rounds")
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--profile", metavar="PREFIX", default="",
+                    help="instead of the tables: run ONNX Runtime's profiler (trace written to PREFIX_<date>.json) "
+                         "over --repeats forwards of each --new-tokens at each --contexts and print ms per op type")
     a = ap.parse_args(argv)
-    for line in run(a.bundle, a.backend, a.threads, a.contexts, a.new_tokens, a.repeats, a.decode_tokens):
+    try:
+        return _main(a)
+    except EdgespecError as exc:
+        print(f"python -m runtime.bench_backend: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(a: argparse.Namespace) -> int:
+    if a.profile:
+        for c in a.contexts:
+            for t in a.new_tokens:
+                for line in profile_ops(a.bundle, c, t, a.repeats, a.threads, a.profile, a.precision):
+                    print(line, flush=True)
+        return 0
+    for line in run(a.bundle, a.backend, a.threads, a.contexts, a.new_tokens, a.repeats, a.decode_tokens, a.precision):
         print(line, flush=True)
     return 0
 

@@ -28,6 +28,14 @@ MANIFEST = "bundle.yaml"
 DATA_SUFFIXES = (".safetensors", ".onnx", ".onnx.data", ".gguf", ".engine", ".cache", ".plan", ".json", ".yaml", ".txt",
                  ".jinja")
 EXPORTABLE = ("onnx", "tensorrt")  # backends `edgespec export --to` writes
+# ONNX target graphs: the float graph (fp32 or fp16, one of them) is backend entry "onnx"; weight-only
+# quantised graphs sit next to it as "onnx.int8" / "onnx.int4" (`edgespec export --to onnx --precision int8`).
+ONNX_PRECISIONS = ("fp32", "fp16", "int8", "int4")
+
+
+def onnx_entry_key(precision: str) -> str:
+    """The target backend entry holding the ONNX graph of `precision`: "onnx" (fp32/fp16) or "onnx.int8"."""
+    return "onnx" if precision in ("fp32", "fp16") else f"onnx.{precision}"
 # Keys a manifest may have, per level: anything else is a typo or a newer format, refused by name.
 MANIFEST_KEYS = ("format_version", "name", "target", "drafters", "default_drafter", "tokenizer", "generation", "prompts",
                  "files")
@@ -98,6 +106,21 @@ class Bundle:
             raise BundleError(f"{self.root}: the target has no files for backend {backend!r}; it has "
                               f"{sorted(self.target.backends)}. {how}")
         return self.target.backends[backend]
+
+    def onnx_target(self, precision: str = "auto") -> BackendFiles:
+        """The target's ONNX graph of `precision` ("auto" = the float graph, entry "onnx"); a BundleError
+        naming the export command when the bundle does not hold it."""
+        if precision == "auto":
+            return self.target_files("onnx")
+        key = onnx_entry_key(precision)
+        files = self.target.backends.get(key)
+        if files is None or files.params.get("precision", "fp32") != precision:
+            have = sorted(f"{k} ({v.params.get('precision', 'fp32')})" for k, v in self.target.backends.items()
+                          if k.startswith("onnx"))
+            raise BundleError(f"{self.root}: the target has no {precision} ONNX graph (it has {have or 'none'}); "
+                              f"export it with `edgespec export --to onnx --precision int8 --bundle DIR` (DIR = {self.root}, "
+                              f"int8 replaced by {precision})")
+        return files
 
 
 def sha256_of(path: str) -> str:

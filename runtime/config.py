@@ -8,7 +8,7 @@ import dataclasses
 import math
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple, Type, TypeVar
+from typing import Any, Dict, Tuple, Type, TypeVar
 
 import yaml
 
@@ -42,7 +42,9 @@ class BackendConfig:
     kind: str = limits("auto", choices=("numpy_ref", "onnx", "gguf", "tensorrt", "auto"))
     threads: int = limits(0, min=0, max=256, doc="0 = one per CPU core")
     providers: Tuple[str, ...] = ("CPUExecutionProvider",)
-    precision: str = limits("fp32", choices=("fp32", "fp16"))
+    precision: str = limits("auto", choices=("auto", "fp32", "fp16", "int8", "int4"),
+                            doc="which ONNX target graph of the bundle runs: auto = its float graph (fp32 or fp16); "
+                                "int8 / int4 = the weight-only quantised graph, which then IS the target")
     cuda_graphs: bool = limits(False, doc="tensorrt: replay decode/verify steps as CUDA graphs (past padded to "
                                           "64-row buckets); prefills run eagerly")
     # Batch-1 gemv on shared cores is fastest single-threaded (see runtime/blas.py); 0 = numpy's default.

@@ -34,3 +34,7 @@ class BudgetExceeded(EdgespecError):
 
 class BackendError(EdgespecError):
     """A backend failed (missing provider, runtime failure mid-generation)."""
+
+
+class ExportError(EdgespecError):
+    """An export produced graphs that do not compute what the numpy reference computes; nothing was written."""

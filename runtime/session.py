@@ -139,7 +139,7 @@ def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max
     if entry.kind in ("dflash", "dflash2"):
         where = f"{bundle.path('bundle.yaml')}: drafters.{name}"
         if entry.spec is None:
-            raise BundleError(f"{where}.spec: missing (the draft layers' shape); rebuild with `edgespec bundle --dflash DIR`")
+            raise BundleError(f"{where}.spec: missing (the draft layers' shape); rebuild with `edgespec bundle --target DIR --dflash DIR --out DIR`")
         params = DFlashParams.from_dict(entry.params, f"{where}.params")
         weights = load_weights(bundle, entry.files)
         target_w = target_weights if target_weights is not None else load_weights(bundle, bundle.target_files("numpy_ref").files)
@@ -181,8 +181,9 @@ def check_taps(target, drafter: Optional[Drafter], backend: str, bundle_root: st
     missing = [t for t in drafter.target_taps if t not in have]
     if missing:
         raise BundleError(f"drafter {drafter.kind!r} reads the target's hidden tap {missing[0]!r}, which the {backend} "
-                          f"graph does not export (it has {list(have)}); re-export with `edgespec export --to {backend} "
-                          f"--bundle {bundle_root} --taps {' '.join(sorted(set(have) | set(drafter.target_taps)))}`")
+                          f"graph does not export (it has {list(have)}); re-export the ONNX graphs with `edgespec export "
+                          f"--to onnx --bundle {bundle_root} --taps {' '.join(sorted(set(have) | set(drafter.target_taps)))}`"
+                          + (" and rebuild the engines from them" if backend == "tensorrt" else ""))
 
 
 def _libc():
@@ -268,9 +269,10 @@ class Session:
             positions = min(positions, fit)
         # A request longer than this is refused by the budget (not by max_context) before it runs.
         self.budget_positions = positions if self.budget_bytes > 0 and positions < config.memory.max_context else None
-        files = b.target_files(backend.kind)
+        # backend.precision picks the ONNX target graph (the float one, or a quantised one that then IS the target)
+        files = b.onnx_target(backend.precision) if backend.kind == "onnx" else b.target_files(backend.kind)
         # (numpy drafters sharing an fp16 arena read it upcast; only the drafter's precision is affected, not exactness)
-        kv_dtype = np.float16 if memory.bundle_kv_bytes(b, backend.kind) == 2 else np.float32
+        kv_dtype = np.float16 if files.params.get("precision") == "fp16" else np.float32
         # + drafted rows: a drafter's cache holds the context plus the branch it is drafting
         self.arena = KVArena.for_context(shapes, positions + memory.DRAFT_SLACK, dtype=kv_dtype)
         cache = self.arena.allocate("target", shapes["target"], positions)

@@ -290,3 +290,40 @@ def test_exporting_another_precision_replaces_the_entry_and_leaves_no_orphan_fil
     assert not any("fp32" in f for f in b.files)
     s = Session.open(root, drafter="draft_model", backend="onnx", max_context=64)
     assert s.generate("<|bos|><|text|>the robot", GenerationParams(max_tokens=4)).stats.backend == "onnx"
+
+
+def test_export_refuses_a_graph_that_differs_from_the_reference_and_leaves_the_bundle_unchanged(
+        tiny_bundle, tmp_path, capsys, monkeypatch):
+    """An exporter bug (simulated: the graph is built from a final-norm weight scaled by 1.5) must fail
+    `edgespec export` with exit code 2 and one line naming the graph, its error and the tolerance; the
+    bundle's manifest and files (here an earlier good fp32 export) stay byte for byte as they were."""
+    import shutil
+
+    import export.onnx as onnx_export
+    from runtime.cli import main
+
+    root = str(tmp_path / "bundle")
+    shutil.copytree(tiny_bundle, root)
+    assert main(["export", "--to", "onnx", "--bundle", root, "--no-validate"]) == 0
+
+    def snapshot():
+        return {os.path.relpath(os.path.join(d, n), root): open(os.path.join(d, n), "rb").read()
+                for d, _, names in os.walk(root) for n in names}
+
+    before = snapshot()
+    real = onnx_export.export_decoder_onnx
+
+    def wrong_graph(spec, weights, out_path, taps=("final_norm",), precision="fp32"):
+        weights = {**weights, "model.norm.weight": weights["model.norm.weight"] * 1.5}
+        return real(spec, weights, out_path, taps, precision)
+
+    monkeypatch.setattr(onnx_export, "export_decoder_onnx", wrong_graph)
+    capsys.readouterr()
+    assert main(["export", "--to", "onnx", "--bundle", root]) == 2
+    err = capsys.readouterr().err
+    assert "onnx/target.fp32.onnx (target): the exported fp32 graph differs from the numpy reference by" in err
+    assert "fp32 allows 1e-04" in err and "left unchanged" in err and "Traceback" not in err
+    assert snapshot() == before
+    monkeypatch.undo()  # the right graph replaces the same-named entry, validated
+    assert main(["export", "--to", "onnx", "--bundle", root]) == 0
+    bundle_mod.load(root)

@@ -125,7 +125,7 @@ def add_dflash_drafter(w: BundleWriter, path: str, target_spec: ModelSpec, name:
     name = name or ck.kind
     if name in w.manifest["drafters"]:
         raise BundleError(f"{path}: the bundle already has a drafter named {name!r} (one {ck.kind} drafter per bundle "
-                          "from `edgespec bundle --dflash`)")
+                          "from `edgespec bundle --target DIR --dflash DIR --out DIR`)")
     rel = f"{name}/model.safetensors"
     write_safetensors(w.path(rel), ck.weights, bf16=ck.bf16_names)
     p = ck.params

@@ -10,9 +10,10 @@ single position-major (P, L, nkv, d) input would make the graph split the past i
 of the cache every step, measured at ~25% of a 125M model's step at context 2048). Rolling back is a
 smaller P; after a tree verify `keep` moves only the accepted rows.
 
-Logits and taps are written into preallocated arrays the same way. On a GPU provider the arena would
-live in device memory; this class binds host memory ('cpu'), which is what the CPU EP (and a Jetson's
-unified memory) reads."""
+Logits and taps are written into preallocated host arrays the same way. With the CUDA or TensorRT provider
+first in the list, the K/V live in device memory instead (runtime/backends/onnx_arena.py: an OrtValue arena,
+bound by device address, rows moved on the device); then only ids, positions, mask in and logits/taps out
+cross the bus."""
 from __future__ import annotations
 
 import os
@@ -22,6 +23,7 @@ from typing import Dict, Optional, Sequence
 import numpy as np
 
 from runtime.backends.base import ForwardResult, parse_tap
+from runtime.backends.onnx_arena import OrtKVArena, device_for
 from runtime.errors import BackendError
 from runtime.kv import KVCache
 from runtime.model_spec import ModelSpec
@@ -66,18 +68,18 @@ def causal_additive_mask(cache_len: int, t: int) -> np.ndarray:
     return m
 
 
-def _binders(ort, binding):
-    """bind_input / bind_output(name, dtype, shape, ptr) for host memory. The public IOBinding methods
+def _binders(ort, binding, device: str = "cpu", device_id: int = 0):
+    """bind_input / bind_output(name, dtype, shape, ptr) for memory on `device`. The public IOBinding methods
     rebuild an OrtDevice on every call (~half of this backend's Python time per step with 4 binds per
     layer); where the wrapped C binding is reachable, bind through it with the device built once."""
     c_binding = getattr(binding, "_iobinding", None)
     try:
-        c_device = ort.OrtDevice.make("cpu", 0)._get_c_device()
+        c_device = ort.OrtDevice.make(device, device_id)._get_c_device()
     except AttributeError:
         c_binding = None
     if c_binding is None:
-        return (lambda n, dt, shape, ptr: binding.bind_input(n, "cpu", 0, dt, shape, ptr),
-                lambda n, dt, shape, ptr: binding.bind_output(n, "cpu", 0, dt, shape, ptr))
+        return (lambda n, dt, shape, ptr: binding.bind_input(n, device, device_id, dt, shape, ptr),
+                lambda n, dt, shape, ptr: binding.bind_output(n, device, device_id, dt, shape, ptr))
     return (lambda n, dt, shape, ptr: c_binding.bind_input(n, c_device, dt, shape, ptr),
             lambda n, dt, shape, ptr: c_binding.bind_output(n, c_device, dt, shape, ptr))
 
@@ -89,7 +91,8 @@ class OnnxTarget:
 
     def __init__(self, spec: ModelSpec, model_path: str, cache: KVCache,
                  providers: Sequence[str] = ("CPUExecutionProvider",), threads: int = 0,
-                 tap_names: Sequence[str] = ("final_norm",)):
+                 tap_names: Sequence[str] = ("final_norm",), profile_prefix: str = "",
+                 arena_device: Optional[str] = None):
         ort = _import_ort()
         available = ort.get_available_providers()
         for p in providers:
@@ -111,6 +114,9 @@ class OnnxTarget:
         # ORT's pool threads spin after each run by default; between verify passes the drafter runs (numpy
         # BLAS or another graph) and spinning threads would steal its cores.
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if profile_prefix:  # ORT's own per-node profiler (runtime.bench_backend --profile summarises it)
+            opts.enable_profiling = True
+            opts.profile_file_prefix = profile_prefix
         try:
             self.session = ort.InferenceSession(model_path, opts, providers=list(providers))
         except Exception as exc:  # ORT raises its own Fail/InvalidGraph types
@@ -138,12 +144,24 @@ class OnnxTarget:
         self.binding = self.session.io_binding()
         self._bind_input, self._bind_output = _binders(ort, self.binding)
         n, heads, d = spec.num_layers, spec.num_kv_heads, spec.head_dim
-        # The same arena bytes, seen layer-major (see the module docstring).
-        self.k = cache.k.reshape(n, cache.max_positions, heads, d)  # (L, max_pos, nkv, d)
-        self.v = cache.v.reshape(n, cache.max_positions, heads, d)
         self._row = (heads, d)
         self._row_bytes = heads * d * self.kv_dtype.itemsize
-        self._ptrs = [(f"_{i}", self.k[i].ctypes.data, self.v[i].ctypes.data) for i in range(n)]
+        # Where the K/V live: the host arena (CPU provider, a Jetson's unified memory) or, with a CUDA /
+        # TensorRT provider first, an OrtValue on that device (runtime/backends/onnx_arena.py); "cpu" here
+        # runs that device path on the CPU provider (tests).
+        self.device = device_for(providers) if arena_device is None else arena_device
+        self.device_arena: Optional[OrtKVArena] = None
+        if self.device != "cpu" or arena_device is not None:
+            self.device_arena = OrtKVArena(ort, n, cache.max_positions, heads, d, self.kv_dtype, self.device,
+                                           providers=providers)
+            self._bind_kv_in, self._bind_kv_out = _binders(ort, self.binding, self.device)
+            self._ptrs = [(f"_{i}", *self.device_arena.addresses(i, 0)[:2]) for i in range(n)]
+        else:
+            # The same host arena bytes, seen layer-major (see the module docstring).
+            self.k = cache.k.reshape(n, cache.max_positions, heads, d)  # (L, max_pos, nkv, d)
+            self.v = cache.v.reshape(n, cache.max_positions, heads, d)
+            self._bind_kv_in, self._bind_kv_out = self._bind_input, self._bind_output
+            self._ptrs = [(f"_{i}", self.k[i].ctypes.data, self.v[i].ctypes.data) for i in range(n)]
         self.last_run_s = 0.0  # time inside ORT during the last forward (the rest is Python overhead)
 
     @property
@@ -194,10 +212,10 @@ class OnnxTarget:
         skip = p * self._row_bytes
         for i, kp, vp in self._ptrs:
             # Layer i's past is rows [0, P) of its block and the new rows land at [P, P+T): by pointer, no copy.
-            self._bind_input("past_key" + i, dt, past, kp)
-            self._bind_input("past_value" + i, dt, past, vp)
-            self._bind_output("new_key" + i, dt, new, kp + skip)
-            self._bind_output("new_value" + i, dt, new, vp + skip)
+            self._bind_kv_in("past_key" + i, dt, past, kp)
+            self._bind_kv_in("past_value" + i, dt, past, vp)
+            self._bind_kv_out("new_key" + i, dt, new, kp + skip)
+            self._bind_kv_out("new_value" + i, dt, new, vp + skip)
         self._bind_out("logits", logits)
         for name, arr in got.items():
             self._bind_out(tap_output_name(name), arr)
@@ -214,14 +232,19 @@ class OnnxTarget:
         if start > length or any(r < start or r >= length for r in rows):
             raise ValueError(f"keep({start}, {rows}) outside the {length} valid rows of '{self.cache.name}'")
         n = len(rows)
-        if n and rows != list(range(start, start + n)):
+        if self.device_arena is not None:
+            self.device_arena.keep(start, rows)
+        elif n and rows != list(range(start, start + n)):
             idx = np.asarray(rows)
             self.k[:, start:start + n] = self.k[:, idx]
             self.v[:, start:start + n] = self.v[:, idx]
         self.cache.length = start + n
 
     def layer_kv(self, layer: int):
-        """(K, V) rows [0, cache_len) of one layer, each (cache_len, nkv, d): views, for tests and tools."""
+        """(K, V) rows [0, cache_len) of one layer, each (cache_len, nkv, d): views of the host arena (copies
+        from a device arena), for tests and tools."""
+        if self.device_arena is not None:
+            return self.device_arena.layer_kv(layer, self.cache.length)
         return self.k[layer, :self.cache.length], self.v[layer, :self.cache.length]
 
     def reset(self) -> None:

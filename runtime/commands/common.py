@@ -18,9 +18,9 @@ from runtime.session import GenerationParams
 DEFAULT_BUNDLE = RuntimeConfig().bundle  # relative: resolved by `resolve_bundle_dir`
 
 # flag attribute -> config key it sets (sampling keys only where the command defines the flag)
-MODEL_FLAGS = {"backend": "backend.kind", "drafter": "drafter.kind", "num_draft": "drafter.num_tokens",
-               "branching": "drafter.branching", "max_context": "memory.max_context",
-               "prefix_cache": "memory.prefix_cache"}
+MODEL_FLAGS = {"backend": "backend.kind", "precision": "backend.precision", "drafter": "drafter.kind",
+               "num_draft": "drafter.num_tokens", "branching": "drafter.branching",
+               "max_context": "memory.max_context", "prefix_cache": "memory.prefix_cache"}
 SAMPLING_FLAGS = {"max_tokens": "generation.max_tokens", "temperature": "generation.temperature",
                   "top_p": "generation.top_p", "top_k": "generation.top_k", "seed": "generation.seed"}
 
@@ -59,6 +59,9 @@ def add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
     g.add_argument("--backend", choices=["auto", "numpy_ref", "onnx", "tensorrt"],
                    help="backend to run the target on (default auto: onnx where onnxruntime is installed and the "
                         "bundle has ONNX graphs, else numpy_ref, the exact but slow oracle)")
+    g.add_argument("--precision", help="onnx: the bundle's target graph to run, auto | fp32 | fp16 | int8 | int4 "
+                                       "(default auto = its float graph; int8/int4 from `edgespec export --to onnx "
+                                       "--precision int8`, then the quantised graph IS the target)")
     if drafter:
         g.add_argument("--drafter", help="none | ngram | draft_model | mtp | a drafter named in the bundle "
                                          "(default: the bundle's)")
