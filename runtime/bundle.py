@@ -24,7 +24,7 @@ from runtime.tensors import safetensors_dtypes
 FORMAT_VERSION = 1
 MANIFEST = "bundle.yaml"
 DATA_SUFFIXES = (".safetensors", ".onnx", ".onnx.data", ".gguf", ".engine", ".plan", ".json", ".yaml", ".txt")
-EXPORTABLE = ("onnx",)  # backends `edgespec export --to` writes
+EXPORTABLE = ("onnx", "gguf")  # backends `edgespec export --to` writes
 # Keys a manifest may have, per level: anything else is a typo or a newer format, refused by name.
 MANIFEST_KEYS = ("format_version", "name", "target", "drafters", "default_drafter", "tokenizer", "generation", "files")
 TARGET_KEYS = ("spec", "backends")

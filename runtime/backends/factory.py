@@ -16,7 +16,8 @@ BACKENDS = ("numpy_ref", "onnx", "gguf", "tensorrt")
 
 def resolve_backend(kind: str, bundle: Bundle) -> str:
     """The backend `kind` names; "auto" is onnx where onnxruntime is installed and the bundle's target has
-    ONNX graphs (the fast path), else numpy_ref (the exact oracle, several times slower per verify)."""
+    ONNX graphs (the fast path), else numpy_ref (the exact oracle, several times slower per verify).
+    gguf (llama.cpp) is chosen by name only: its quantised weights are a different target."""
     if kind != "auto":
         return kind
     if "onnx" in bundle.target.backends and importlib.util.find_spec("onnxruntime") is not None:
@@ -45,4 +46,10 @@ def open_model(bundle: Bundle, spec: ModelSpec, files: BackendFiles, backend: Ba
             raise BundleError(f"{bundle.root}: {label} has no .onnx graph; run `edgespec export --to onnx --bundle {bundle.root}`")
         return OnnxTarget(spec, bundle.path(graphs[0]), cache, providers=backend.providers, threads=backend.threads,
                           tap_names=tuple(files.params.get("taps", ("final_norm",))))
-    raise BundleError(f"backend {backend.kind!r} cannot run on this machine (available here: numpy_ref, onnx)")
+    if backend.kind == "gguf":
+        from runtime.backends.llamacpp import LlamaCppTarget
+        models = [f for f in files.files if f.endswith(".gguf")]
+        if not models:
+            raise BundleError(f"{bundle.root}: {label} has no .gguf file; run `edgespec export --to gguf --bundle {bundle.root}`")
+        return LlamaCppTarget(spec, bundle.path(models[0]), cache, threads=backend.threads, tap_names=taps)
+    raise BundleError(f"backend {backend.kind!r} cannot run on this machine (available here: numpy_ref, onnx, gguf)")

@@ -54,9 +54,10 @@ def add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
     g.add_argument("--bundle", help=f"bundle directory, relative to the working directory (default: {DEFAULT_BUNDLE} "
                                     "under $EDGESPEC_ROOT, else under the edgespec source tree; built by "
                                     "`make bundles`)")
-    g.add_argument("--backend", choices=["auto", "numpy_ref", "onnx"],
+    g.add_argument("--backend", choices=["auto", "numpy_ref", "onnx", "gguf"],
                    help="backend to run the target on (default auto: onnx where onnxruntime is installed and the "
-                        "bundle has ONNX graphs, else numpy_ref, the exact but slow oracle)")
+                        "bundle has ONNX graphs, else numpy_ref, the exact but slow oracle; gguf = llama.cpp on "
+                        "the bundle's GGUF, after `edgespec export --to gguf`)")
     if drafter:
         g.add_argument("--drafter", help="none | ngram | draft_model | mtp | a drafter named in the bundle "
                                          "(default: the bundle's)")
