@@ -369,7 +369,7 @@ def test_a_backend_without_an_exporter_is_not_pointed_at_a_command_that_does_not
     b = bundle_io.load(tiny_bundle)
     with pytest.raises(BundleError, match=r"no files for backend 'tensorrt'") as exc:
         b.target_files("tensorrt")
-    assert "cannot export for 'tensorrt' yet (exporters: onnx)" in str(exc.value)
+    assert "cannot export for 'tensorrt' yet (exporters: onnx, gguf)" in str(exc.value)
     assert "--to tensorrt" not in str(exc.value)  # `edgespec export` refuses it
 
 
