@@ -33,16 +33,22 @@ python_deps() {
 # llama.cpp (the gguf backend), compiled from the llama-cpp-python sdist NON-native: a -march=native build
 # enables ggml's AMX kernels where the CPU advertises AMX and q8_0 models then die with SIGILL on such VMs.
 # AVX2/FMA/F16C is the portable x86-64 baseline here; the wheel is cached under .cache/wheels (~10 min to build
-# on 2 cores, once). On aarch64 (Jetson) the x86 flags are left out.
+# on 2 quiet cores, once; the multimodal library is not built). On aarch64 (Jetson) the x86 flags are left out.
 LLAMA_CPP_VERSION=0.3.36
 llama_cpp() {
-  local args="-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+  local args="-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAVA_BUILD=OFF"
   if [ "$(uname -m)" = x86_64 ]; then
     args="$args -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF"
   fi
   local key; key=$(echo "$LLAMA_CPP_VERSION $args" | sha256sum | cut -c1-16)
   if stamp_ok llama_cpp "$key" && "$VENV/bin/python" -c 'import llama_cpp' 2>/dev/null; then
     echo "== bootstrap: llama-cpp-python up to date"; return
+  fi
+  # Already installed at this version and built without AMX (its system info lists the kernels compiled in).
+  if "$VENV/bin/python" -c "import llama_cpp, sys; info = llama_cpp.llama_print_system_info().decode()
+sys.exit(0 if llama_cpp.__version__ == '$LLAMA_CPP_VERSION' and 'AMX' not in info else 1)" 2>/dev/null; then
+    echo "== bootstrap: llama-cpp-python $LLAMA_CPP_VERSION (no AMX kernels) already installed"
+    stamp_set llama_cpp "$key"; return
   fi
   local wheels=".cache/wheels/llama_cpp-$key"
   if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
