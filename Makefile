@@ -19,7 +19,8 @@ bundles:
 test: bootstrap
 	$(PY) -m pytest -q
 
-demo: bootstrap
+demo:
+	@scripts/bootstrap.sh demo
 	@scripts/demo.sh
 
 clean-build:

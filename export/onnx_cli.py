@@ -1,18 +1,18 @@
-"""`edgespec export --to onnx|tensorrt`: add ONNX graphs of a bundle's target (and draft model) to the bundle,
-or TensorRT engines built from those graphs (on the device that will run them)."""
+"""`edgespec export --to onnx|tensorrt|gguf`: add ONNX graphs of a bundle's target (and draft model) to the bundle,
+TensorRT engines built from those graphs (on the device that will run them), or GGUF files for llama.cpp."""
 from __future__ import annotations
 
 import argparse
 
-EXPORT_TARGETS = ("onnx", "tensorrt")
+EXPORT_TARGETS = ("onnx", "tensorrt", "gguf")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """All `edgespec export` options in one place."""
     p.add_argument("--to", required=True, choices=EXPORT_TARGETS,
                    help="backend to export for: onnx (ONNX Runtime on CPU / CUDA / TensorRT EPs; also the "
-                        "source graph for TensorRT engines) or tensorrt (engines built from the bundle's ONNX "
-                        "graphs with TensorRT, on the Jetson / GPU that will run them)")
+                        "source graph for TensorRT engines), tensorrt (engines built from the bundle's ONNX "
+                        "graphs with TensorRT, on the Jetson / GPU that will run them) or gguf (llama.cpp)")
     p.add_argument("--bundle", required=True, metavar="DIR",
                    help="bundle directory whose numpy_ref target weights are exported; the graphs are added "
                         "to it and bundle.yaml is rewritten with their checksums")
@@ -33,6 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--taps", nargs="+", metavar="TAP", default=None,
                    help="onnx: hidden states to export as extra outputs: final_norm, layer_in.I, layer_out.I. "
                         "Default: every tap the bundle's drafters read, plus final_norm")
+    p.add_argument("--quant", default=None, metavar="Q",
+                   help="gguf only: f16 (default), q8_0 or q4_K_M (quantised by llama.cpp's own quantiser). A bundle "
+                        "holds one GGUF entry per model: exporting another quant replaces it and removes its files")
+    p.add_argument("--force", action="store_true",
+                   help="gguf only: replace an existing output file (refused otherwise)")
     p.add_argument("--no-validate", action="store_true",
                    help="onnx: skip the numeric comparison against the numpy reference after export")
     trt = p.add_argument_group("tensorrt", "engine shapes (tensorrt only)")
@@ -66,17 +71,28 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from runtime.errors import ConfigError
+
     if args.to == "tensorrt":
         return run_tensorrt(args)
-    try:
-        from export.onnx import add_onnx_to_bundle
-    except ModuleNotFoundError as exc:  # the robot image has no torch / no export.onnx
-        from runtime.errors import BackendError
+    if args.to == "gguf":
+        from export.gguf import add_gguf_to_bundle
 
-        raise BackendError(f"the ONNX export needs the workstation side ({exc.name} is missing): run it on a "
-                           "workstation with `pip install edgespec[export]` and copy the bundle to the robot") from None
-    files = add_onnx_to_bundle(args.bundle, args.precision or "fp32", args.taps, validate=not args.no_validate,
-                               block_size=args.block_size, accuracy_level=args.accuracy_level)
+        if args.taps is not None:
+            raise ConfigError("--taps: ONNX only; llama.cpp gives the final-normed hidden state without an export option")
+        files = add_gguf_to_bundle(args.bundle, args.quant or "f16", force=args.force, validate=not args.no_validate)
+    else:
+        if args.quant is not None or args.force:
+            raise ConfigError("--quant / --force: GGUF only (--to gguf); an ONNX export takes --precision")
+        try:
+            from export.onnx import add_onnx_to_bundle
+        except ModuleNotFoundError as exc:  # the robot image has no torch / no export.onnx
+            from runtime.errors import BackendError
+
+            raise BackendError(f"the ONNX export needs the workstation side ({exc.name} is missing): run it on a "
+                               "workstation with `pip install edgespec[export]` and copy the bundle to the robot") from None
+        files = add_onnx_to_bundle(args.bundle, args.precision or "fp32", args.taps, validate=not args.no_validate,
+                                   block_size=args.block_size, accuracy_level=args.accuracy_level)
     for f in files:
         print(f"wrote {args.bundle}/{f}")
     return 0
@@ -105,11 +121,13 @@ def run_tensorrt(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("export", help="export a bundle's models for another backend (ONNX, TensorRT)",
+    p = sub.add_parser("export", help="export a bundle's models for another backend (ONNX, TensorRT, GGUF)",
                        description="Export the bundle's target (and draft model, if any) for a backend and register "
                                    "the files in bundle.yaml. onnx: graphs checked against the numpy reference. "
                                    "tensorrt: engines built from those graphs on this machine's GPU (run it on the "
-                                   "Jetson). Examples: edgespec export --to onnx --bundle build/bundles/zoo; "
-                                   "edgespec export --to tensorrt --bundle build/bundles/zoo --max-context 4096")
+                                   "Jetson). gguf: llama.cpp files, f16 or quantised by llama.cpp's own quantiser. "
+                                   "Examples: edgespec export --to onnx --bundle build/bundles/zoo; "
+                                   "edgespec export --to tensorrt --bundle build/bundles/zoo --max-context 4096; "
+                                   "edgespec export --to gguf --bundle build/bundles/zoo --quant q8_0")
     add_arguments(p)
     p.set_defaults(func=run)

@@ -27,7 +27,7 @@ MANIFEST = "bundle.yaml"
 # .engine: TensorRT engines; .cache: TensorRT's timing cache (kernel timings, reused by the next build on a device)
 DATA_SUFFIXES = (".safetensors", ".onnx", ".onnx.data", ".gguf", ".engine", ".cache", ".plan", ".json", ".yaml", ".txt",
                  ".jinja")
-EXPORTABLE = ("onnx", "tensorrt")  # backends `edgespec export --to` writes
+EXPORTABLE = ("onnx", "tensorrt", "gguf")  # backends `edgespec export --to` writes
 # ONNX target graphs: the float graph (fp32 or fp16, one of them) is backend entry "onnx"; weight-only
 # quantised graphs sit next to it as "onnx.int8" / "onnx.int4" (`edgespec export --to onnx --precision int8`).
 ONNX_PRECISIONS = ("fp32", "fp16", "int8", "int4")

@@ -372,8 +372,11 @@ def device_budget(device: DeviceProfile) -> int:
 # -- bundles ------------------------------------------------------------------------------------
 
 def bundle_kv_bytes(bundle, backend: str) -> int:
-    """The K/V element size of a bundle on a backend: fp16 graphs keep an fp16 cache, all else float32."""
+    """The K/V element size of a bundle on a backend: fp16 graphs and llama.cpp (f16 K/V whatever the weights)
+    keep an fp16 cache, all else float32."""
     files = bundle.target.backends.get(backend)
+    if files is not None and backend == "gguf":
+        return 2
     return 2 if files is not None and files.params.get("precision") == "fp16" else 4
 
 
@@ -424,6 +427,9 @@ def bundle_inputs(bundle, drafter: str, backend: str, tree_tokens: int) -> PlanI
     target = dims_from_spec(spec)
     kv = bundle_kv_bytes(bundle, backend)
     prec = "fp16" if kv == 2 else "fp32"
+    t_files = bundle.target.backends.get(backend)
+    if backend == "gguf" and t_files is not None:
+        prec = t_files.params.get("precision", "fp16")  # the GGUF's quant: fp16, int8 (q8_0), int4 (q4_K_M)
     entry = bundle.drafters.get(drafter)
     draft, d_prec, extra = None, None, 0
     if entry is not None and entry.kind in ("eagle", "eagle3") and entry.spec is not None:

@@ -276,7 +276,9 @@ class Session:
         # + drafted rows: a drafter's cache holds the context plus the branch it is drafting
         self.arena = KVArena.for_context(shapes, positions + memory.DRAFT_SLACK, dtype=kv_dtype)
         cache = self.arena.allocate("target", shapes["target"], positions)
-        self.target = open_model(b, spec, files, backend, cache)
+        # The hidden states the drafter reads: a backend that cannot give one refuses here, at session creation.
+        taps = b.drafters[name].target_taps if name in b.drafters else ()
+        self.target = open_model(b, spec, files, backend, cache, taps=taps)
         self.drafter = build_drafter(name, b, backend, self.arena, positions, config.drafter.num_tokens,
                                      config.drafter.branching, getattr(self.target, "w", None))
         check_taps(self.target, self.drafter, backend.kind, config.bundle)

@@ -367,10 +367,10 @@ def test_asking_for_a_backend_the_target_lacks_lists_the_ones_it_has_and_how_to_
 
 def test_a_backend_without_an_exporter_is_not_pointed_at_a_command_that_does_not_exist(tiny_bundle):
     b = bundle_io.load(tiny_bundle)
-    with pytest.raises(BundleError, match=r"no files for backend 'gguf'") as exc:
-        b.target_files("gguf")
-    assert "cannot export for 'gguf' yet (exporters: onnx, tensorrt)" in str(exc.value)
-    assert "--to gguf" not in str(exc.value)  # `edgespec export` refuses it
+    with pytest.raises(BundleError, match=r"no files for backend 'openvino'") as exc:
+        b.target_files("openvino")
+    assert "cannot export for 'openvino' yet (exporters: onnx, tensorrt, gguf)" in str(exc.value)
+    assert "--to openvino" not in str(exc.value)  # `edgespec export` refuses it
 
 
 # ---------------------------------------------------------------------------------------------- HF reader

@@ -16,7 +16,8 @@ BACKENDS = ("numpy_ref", "onnx", "gguf", "tensorrt")
 
 def resolve_backend(kind: str, bundle: Bundle) -> str:
     """The backend `kind` names; "auto" is onnx where onnxruntime is installed and the bundle's target has
-    ONNX graphs (the fast path), else numpy_ref (the exact oracle, several times slower per verify)."""
+    ONNX graphs (the fast path), else numpy_ref (the exact oracle, several times slower per verify).
+    gguf (llama.cpp) is chosen by name only: its quantised weights are a different target."""
     if kind != "auto":
         return kind
     if "onnx" in bundle.target.backends and importlib.util.find_spec("onnxruntime") is not None:
@@ -54,5 +55,11 @@ def open_model(bundle: Bundle, spec: ModelSpec, files: BackendFiles, backend: Ba
         return TensorRTTarget(spec, bundle.path(engines[0]), cache, files.params,
                               tap_names=tuple(files.params.get("taps", ("final_norm",))), bundle_root=bundle.root,
                               cuda_graphs=backend.cuda_graphs)
-    raise BundleError(f"backend {backend.kind!r} cannot run on this machine (available here: numpy_ref, onnx, "
-                      "tensorrt where TensorRT and CUDA are installed)")
+    if backend.kind == "gguf":
+        from runtime.backends.llamacpp import LlamaCppTarget
+        models = [f for f in files.files if f.endswith(".gguf")]
+        if not models:
+            raise BundleError(f"{bundle.root}: {label} has no .gguf file; run `edgespec export --to gguf --bundle {bundle.root}`")
+        return LlamaCppTarget(spec, bundle.path(models[0]), cache, threads=backend.threads, tap_names=taps)
+    raise BundleError(f"backend {backend.kind!r} cannot run on this machine (available here: numpy_ref, onnx, gguf "
+                      "where llama-cpp-python is installed, tensorrt where TensorRT and CUDA are installed)")

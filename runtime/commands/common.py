@@ -56,9 +56,10 @@ def add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
     g.add_argument("--bundle", help=f"bundle directory, relative to the working directory (default: {DEFAULT_BUNDLE} "
                                     "under $EDGESPEC_ROOT, else under the edgespec source tree; built by "
                                     "`make bundles`)")
-    g.add_argument("--backend", choices=["auto", "numpy_ref", "onnx", "tensorrt"],
+    g.add_argument("--backend", choices=["auto", "numpy_ref", "onnx", "tensorrt", "gguf"],
                    help="backend to run the target on (default auto: onnx where onnxruntime is installed and the "
-                        "bundle has ONNX graphs, else numpy_ref, the exact but slow oracle)")
+                        "bundle has ONNX graphs, else numpy_ref, the exact but slow oracle; gguf = llama.cpp on "
+                        "the bundle's GGUF, after `edgespec export --to gguf`)")
     g.add_argument("--precision", help="onnx: the bundle's target graph to run, auto | fp32 | fp16 | int8 | int4 "
                                        "(default auto = its float graph; int8/int4 from `edgespec export --to onnx "
                                        "--precision int8`, then the quantised graph IS the target)")

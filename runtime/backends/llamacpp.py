@@ -1,0 +1,345 @@
+"""The llama.cpp target backend: a GGUF (f16, q8_0, q4_K_M) run through llama-cpp-python's low-level API.
+
+llama.cpp owns its KV cache (f16 K/V, sized from the same budget as every backend: `n_ctx` is the
+positions the session's plan gives this model). It has no attention-mask input: a token attends to the
+cached cells that share its sequence id and whose position is not after its own. A draft tree is
+therefore written with sequence ids (a unified KV cache lets one cell carry several):
+
+    committed rows   positions 0..C-1, in sequence 0 and copied (no data moved) to every branch sequence
+    tree rows        each leaf of the tree gets its own sequence; a node carries the sequences of every
+                     leaf below it and queries with the first of them, so it sees exactly its ancestors.
+
+Worked example: root r (pos C) with children a, b (pos C+1) and a's child c (pos C+2). Leaves b, c get
+sequences 0, 1: r carries {0, 1}, b {0}, a and c {1}. Query b (seq 0) sees the committed rows, r and
+itself; a and c are not in sequence 0. Query a (seq 1) sees r and a; c is in seq 1 but at pos C+2 > C+1.
+
+`forward` derives the sequences from the mask it is given and checks that llama.cpp's rule reproduces
+that mask exactly (else BackendError: no forward runs with an attention pattern other than the one
+asked). `keep` turns the kept path into sequence 0 (llama_memory_seq_cp / seq_rm: bookkeeping, no K/V
+copied) and drops every other row. Hidden state: "final_norm" comes from llama.cpp's embeddings output
+(pooling none) in the same decode; per-layer taps are not exposed, and asking for one is refused when
+the session is opened.
+
+llama.cpp is built non-native (scripts/bootstrap.sh): a -march=native build turns on the AMX kernels
+on CPUs that advertise AMX and q8_0 models then die with SIGILL on some VMs. Flash attention is off
+(on CPU it made batched verification up to 7x slower, measured) and threads are the core count."""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from runtime.backends.base import ForwardResult, parse_tap
+from runtime.errors import BackendError
+from runtime.kv import KVCache
+from runtime.model_spec import ModelSpec
+
+SUPPORTED_TAPS = ("final_norm",)
+MAX_SEQUENCES = 64  # branch sequences a tree may use (leaves per verify forward); llama.cpp allows 256
+CTX_PAD = 256
+_INSTALL = ("the gguf backend needs llama-cpp-python, built non-native (`scripts/bootstrap.sh` builds and caches it; "
+            "elsewhere `CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF\" "
+            "pip install llama-cpp-python`)")
+
+_lock = threading.Lock()
+_state: Dict[str, object] = {}
+_log_tail: deque = deque(maxlen=20)  # llama.cpp's recent log lines, quoted in errors instead of printed
+
+
+def _lib():
+    """llama_cpp, initialised once, with its log routed into `_log_tail` (kept referenced: a collected
+    ctypes callback would crash the next log call)."""
+    with _lock:
+        if "lib" not in _state:
+            try:
+                import llama_cpp
+            except ImportError:
+                raise BackendError(_INSTALL) from None
+
+            def on_log(level, text, user_data):
+                _log_tail.append(text.decode(errors="replace").rstrip() if text else "")
+
+            callback = llama_cpp.llama_log_callback(on_log)
+            llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
+            llama_cpp.llama_backend_init()
+            _state.update(lib=llama_cpp, log_callback=callback)
+        return _state["lib"]
+
+
+def _recent_log() -> str:
+    lines = [line for line in _log_tail if line.strip()]
+    return ("; llama.cpp said: " + " | ".join(lines[-3:])) if lines else ""
+
+
+@dataclass
+class _TreeRows:
+    """Rows past the committed prefix: rope position and sequence ids of each (index = row - committed)."""
+    pos: List[int] = field(default_factory=list)
+    seqs: List[frozenset] = field(default_factory=list)
+    used: set = field(default_factory=lambda: {0})  # sequences that currently see the committed rows
+
+
+def assign_sequences(positions: np.ndarray, mask: np.ndarray, committed: int, tree: _TreeRows):
+    """Sequence ids that make llama.cpp attend as `mask` says, for T new tokens over `committed` +
+    len(tree.pos) cached rows. Returns (query seq per token, seq set per token, fresh seqs to open)
+    or raises BackendError when the mask is not a pattern sequences can express.
+
+    Rule checked at the end: token i sees row r iff r is committed, or query_seq(i) is in seqs(r) and
+    pos(r) <= pos(i). Each new leaf (a token no other new token sees) picks a sequence whose cached tree
+    rows are what it must see (sequence 0 first), or a fresh one when it must see none of them."""
+    t = len(positions)
+    old = len(tree.pos)
+    new = mask[:, committed + old:]  # (T, T)
+    if committed and not mask[:, :committed].all():
+        raise BackendError("llama.cpp backend: a token may not hide committed rows (the mask's prefix must be all True)")
+    if (positions < committed).any():
+        raise BackendError(f"llama.cpp backend: positions {positions.tolist()} reach into the {committed} committed rows")
+    seen_by = [[i for i in range(t) if new[i, j]] for j in range(t)]
+    leaves = [j for j in range(t) if seen_by[j] == [j]]
+    taken: set = set()
+    leaf_seq: Dict[int, int] = {}
+    fresh: List[int] = []
+    for leaf in leaves:
+        wanted = {r for r in range(old) if mask[leaf, committed + r]}
+        choice = None
+        for s in sorted(tree.used - taken):
+            if {r for r in range(old) if s in tree.seqs[r] and tree.pos[r] <= positions[leaf]} == wanted:
+                choice = s
+                break
+        if choice is None and not wanted:
+            choice = next(s for s in range(MAX_SEQUENCES + 1) if s not in tree.used and s not in taken)
+            if choice >= MAX_SEQUENCES:
+                raise BackendError(f"llama.cpp backend: a tree with more than {MAX_SEQUENCES} leaves; draft fewer branches")
+            fresh.append(choice)
+        if choice is None:
+            raise BackendError("llama.cpp backend: the mask cannot be written with sequence ids (a token sees a set of "
+                               "cached draft rows no sequence holds)")
+        taken.add(choice)
+        leaf_seq[leaf] = choice
+    seqs = [frozenset(leaf_seq[i] for i in seen_by[j] if i in leaf_seq) for j in range(t)]
+    query = []
+    for i in range(t):
+        below = [leaf_seq[leaf] for leaf in leaves if new[leaf, i]]
+        if not below:
+            raise BackendError("llama.cpp backend: a token's own row is hidden from it in the mask")
+        query.append(min(below))
+    # The attention llama.cpp will compute, compared with the one asked for.
+    all_pos = np.asarray(list(tree.pos) + positions.tolist(), np.int64)  # (old+T,)
+    all_seqs = list(tree.seqs) + seqs
+    member = np.zeros((MAX_SEQUENCES, old + t), bool)  # member[s, r]: row r is in sequence s
+    for r, ss in enumerate(all_seqs):
+        member[list(ss), r] = True
+    got = member[query] & (all_pos[None, :] <= positions[:, None])  # (T, old+T)
+    if not np.array_equal(got, mask[:, committed:]):
+        bad = np.argwhere(got != mask[:, committed:])[0]
+        raise BackendError(f"llama.cpp backend: the mask cannot be written with sequence ids (token {bad[0]} and row "
+                           f"{committed + bad[1]}: positions must grow along every path and a row may be hidden only "
+                           "from tokens off its branch)")
+    return query, seqs, fresh
+
+
+class LlamaCppTarget:
+    """A GGUF decoder run by llama.cpp, implementing runtime.backends.base.TargetBackend."""
+
+    name = "gguf"
+
+    @staticmethod
+    def available() -> bool:
+        return importlib.util.find_spec("llama_cpp") is not None
+
+    def __init__(self, spec: ModelSpec, model_path: str, cache: KVCache, threads: int = 0,
+                 tap_names: Sequence[str] = (), max_batch: int = 512):
+        for tap in tap_names:
+            parse_tap(tap, spec.num_layers)
+            if tap not in SUPPORTED_TAPS:
+                raise BackendError(f"the gguf (llama.cpp) backend gives only the {list(SUPPORTED_TAPS)} hidden state; "
+                                   f"tap {tap!r} is not available: choose a drafter that does not read it, or use the "
+                                   "onnx / numpy_ref backend")
+        if not os.path.isfile(model_path):
+            raise BackendError(f"{model_path}: no such GGUF file; export it with `edgespec export --to gguf --bundle DIR`")
+        lib = _lib()
+        self.lib = lib
+        self.spec = spec
+        self.cache = cache
+        self.model_path = model_path
+        self.tap_names = tuple(tap_names)
+        self.threads = threads or os.cpu_count() or 1
+        mparams = lib.llama_model_default_params()
+        self.model = lib.llama_model_load_from_file(model_path.encode(), mparams)
+        if not self.model:
+            raise BackendError(f"{model_path}: llama.cpp could not load the GGUF{_recent_log()}; re-export it")
+        n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
+        n_embd = lib.llama_model_n_embd(self.model)
+        if n_vocab != spec.vocab_size or n_embd != spec.hidden_size:
+            self._free_model()
+            raise BackendError(f"{model_path}: vocab {n_vocab} x hidden {n_embd}, the bundle's spec says "
+                               f"{spec.vocab_size} x {spec.hidden_size}; re-export the GGUF from this bundle")
+        # llama.cpp rounds its cache up to a multiple of 256 positions (CTX_PAD) and caps a batch at n_ctx; a
+        # batch must also hold one output per sequence. Our own limit stays cache.max_positions.
+        n_ctx = -(-cache.max_positions // CTX_PAD) * CTX_PAD
+        self.max_batch = min(max(MAX_SEQUENCES, int(max_batch)), n_ctx)
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = cparams.n_ubatch = cparams.n_outputs_max = self.max_batch
+        cparams.n_seq_max = MAX_SEQUENCES
+        cparams.n_threads = cparams.n_threads_batch = self.threads
+        cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cparams.kv_unified = True
+        cparams.embeddings = "final_norm" in self.tap_names
+        cparams.pooling_type = lib.LLAMA_POOLING_TYPE_NONE
+        cparams.type_k = cparams.type_v = lib.GGML_TYPE_F16
+        self.ctx = lib.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            self._free_model()
+            raise BackendError(f"{model_path}: llama.cpp could not create a context of {cache.max_positions} positions"
+                               f"{_recent_log()}; lower max_context or the memory budget")
+        self.mem = lib.llama_get_memory(self.ctx)
+        self.batch = lib.llama_batch_init(self.max_batch, 0, MAX_SEQUENCES)
+        self.committed = 0
+        self.tree = _TreeRows()
+        self.weight_bytes = int(lib.llama_model_size(self.model))
+
+    # -- TargetBackend --------------------------------------------------------------------------
+
+    @property
+    def cache_len(self) -> int:
+        return self.cache.length
+
+    @property
+    def max_cache_len(self) -> int:
+        return self.cache.max_positions
+
+    def forward(self, tokens, positions, mask: Optional[np.ndarray] = None, taps: Sequence[str] = ()) -> ForwardResult:
+        tokens = np.asarray(tokens, np.int64)
+        positions = np.asarray(positions, np.int64)
+        t = tokens.shape[0]
+        self.cache.check_room(t)
+        for name in taps:
+            if name not in self.tap_names:
+                raise BackendError(f"tap {name!r} was not requested when the gguf backend was opened "
+                                   f"(it has {list(self.tap_names)})")
+        p = self.cache.length
+        causal = mask is None or (not self.tree.pos and bool(mask[:, :p].all())
+                                  and np.array_equal(mask[:, p:], np.tri(t, dtype=bool)))
+        if causal and not self.tree.pos and np.array_equal(positions, np.arange(p, p + t)):
+            # Extends the committed chain (a prefill, plain decoding): sequence 0, in batches of max_batch.
+            outs = [self._decode(tokens[s:s + self.max_batch], positions[s:s + self.max_batch],
+                                 [0] * len(tokens[s:s + self.max_batch]), None, taps)
+                    for s in range(0, t, self.max_batch)]
+            self.committed += t
+            self.cache.length = p + t
+            return ForwardResult(logits=np.concatenate([o[0] for o in outs]),
+                                 taps={n: np.concatenate([o[1][n] for o in outs]) for n in taps})
+        if mask is None:
+            mask = np.concatenate([np.ones((t, p), bool), np.tri(t, dtype=bool)], axis=1)
+        if mask.shape != (t, p + t):
+            raise ValueError(f"mask shape {mask.shape}, expected {(t, p + t)} (new tokens x cache+new)")
+        if t > self.max_batch:
+            raise BackendError(f"llama.cpp backend: a {t}-token tree forward exceeds its batch of {self.max_batch}")
+        query, seqs, fresh = assign_sequences(positions, mask, self.committed, self.tree)
+        for s in fresh:  # a new branch sees the committed rows: add it to their cells (no K/V copied)
+            if self.committed:
+                self.lib.llama_memory_seq_cp(self.mem, 0, s, 0, self.committed)
+            self.tree.used.add(s)
+        logits, got = self._decode(tokens, positions, query, seqs, taps)
+        self.tree.pos += positions.tolist()
+        self.tree.seqs += seqs
+        self.cache.length = p + t
+        return ForwardResult(logits=logits, taps=got)
+
+    def _decode(self, tokens, positions, query, seqs, taps):
+        lib, b, t = self.lib, self.batch, len(tokens)
+        b.n_tokens = t
+        for i in range(t):
+            b.token[i] = int(tokens[i])
+            b.pos[i] = int(positions[i])
+            ids = [query[i]] + sorted((seqs[i] - {query[i]}) if seqs is not None else ())
+            b.n_seq_id[i] = len(ids)
+            for j, s in enumerate(ids):
+                b.seq_id[i][j] = s
+            b.logits[i] = 1
+        rc = lib.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise BackendError(f"llama.cpp decode failed (code {rc}) for {t} tokens at positions "
+                               f"{int(positions[0])}..{int(positions[-1])}{_recent_log()}")
+        logits = np.ctypeslib.as_array(lib.llama_get_logits(self.ctx), shape=(t, self.spec.vocab_size)).copy()
+        got = {}
+        if "final_norm" in taps:
+            got["final_norm"] = np.ctypeslib.as_array(lib.llama_get_embeddings(self.ctx),
+                                                      shape=(t, self.spec.hidden_size)).copy()
+        return logits, got
+
+    def keep(self, start: int, rows: Sequence[int]) -> None:
+        """KVCache.keep's contract. Rows already in place extend `start`; the kept rows past the committed
+        prefix must be one path with positions in row order (what the engine and drafters keep). That path
+        becomes sequence 0 (bookkeeping, no K/V moved) and everything else is dropped."""
+        rows = list(rows)
+        length, c = self.cache.length, self.committed
+        if start > length or any(r < start or r >= length for r in rows):
+            raise ValueError(f"keep({start}, {rows}) outside the {length} valid rows of '{self.cache.name}'")
+        while rows and rows[0] == start:  # already where it belongs
+            start += 1
+            rows.pop(0)
+        lib, mem = self.lib, self.mem
+        if start < c and rows:
+            raise BackendError(f"llama.cpp backend: keep would move rows {rows} into the committed prefix at {start}")
+        if start <= c and not rows:
+            lib.llama_memory_seq_rm(mem, -1, start, -1)
+            self._drop_branches()
+            self.committed = self.cache.length = start
+            return
+        kept = list(range(c, start)) + rows
+        idx = [r - c for r in kept]
+        pos = [self.tree.pos[i] for i in idx]
+        if pos != list(range(c, c + len(kept))):
+            raise BackendError(f"llama.cpp backend: kept rows {kept} have positions {pos}, not {c}.. in order")
+        common = frozenset.intersection(*[self.tree.seqs[i] for i in idx])
+        if not common:
+            raise BackendError(f"llama.cpp backend: kept rows {kept} are not one branch of the tree")
+        s = 0 if 0 in common else min(common)
+        end = c + len(kept)
+        if s != 0:  # the path lives in branch s: make it sequence 0
+            lib.llama_memory_seq_rm(mem, 0, c, -1)
+            lib.llama_memory_seq_cp(mem, s, 0, c, end)
+        lib.llama_memory_seq_rm(mem, 0, end, -1)
+        self._drop_branches()
+        self.committed = self.cache.length = end
+
+    def _drop_branches(self) -> None:
+        for s in self.tree.used - {0}:
+            self.lib.llama_memory_seq_rm(self.mem, s, -1, -1)
+        self.tree = _TreeRows()
+
+    def reset(self) -> None:
+        self.lib.llama_memory_clear(self.mem, True)
+        self.tree = _TreeRows()
+        self.committed = 0
+        self.cache.reset()
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    def _free_model(self) -> None:
+        if getattr(self, "model", None):
+            self.lib.llama_model_free(self.model)
+            self.model = None
+
+    def close(self) -> None:
+        if getattr(self, "batch", None) is not None:
+            self.lib.llama_batch_free(self.batch)
+            self.batch = None
+        if getattr(self, "ctx", None):
+            self.lib.llama_free(self.ctx)
+            self.ctx = None
+        self._free_model()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
