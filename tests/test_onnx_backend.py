@@ -115,6 +115,8 @@ def test_past_kv_is_bound_by_pointer_into_the_arena_without_a_copy(exported):
         return record
 
     ort._bind_input, ort._bind_output = recording(ort._bind_input, inputs), recording(ort._bind_output, outputs)
+    # the K/V binders (the same host binders on the CPU provider, device ones with an OrtValue arena)
+    ort._bind_kv_in, ort._bind_kv_out = recording(ort._bind_kv_in, inputs), recording(ort._bind_kv_out, outputs)
     ort.forward(np.arange(10), np.arange(10))
     ort.forward(np.array([3, 4]), np.array([10, 11]))
     row = spec.num_kv_heads * spec.head_dim * 4
