@@ -117,9 +117,9 @@ class Bundle:
         if files is None or files.params.get("precision", "fp32") != precision:
             have = sorted(f"{k} ({v.params.get('precision', 'fp32')})" for k, v in self.target.backends.items()
                           if k.startswith("onnx"))
+            export = f"edgespec export --to onnx --precision {precision} --bundle {self.root}"  # precision: a valid choice
             raise BundleError(f"{self.root}: the target has no {precision} ONNX graph (it has {have or 'none'}); "
-                              f"export it with `edgespec export --to onnx --precision int8 --bundle DIR` (DIR = {self.root}, "
-                              f"int8 replaced by {precision})")
+                              f"export it with `{export}`")
         return files
 
 
