@@ -24,30 +24,12 @@ import numpy as np
 
 from runtime.backends.base import ForwardResult, parse_tap
 from runtime.backends.onnx_arena import OrtKVArena, device_for
+from runtime.backends.onnx_net import bundle_of, import_ort, open_session
 from runtime.errors import BackendError
 from runtime.kv import KVCache
 from runtime.model_spec import ModelSpec
 
-_INSTALL_HINT = {
-    "CUDAExecutionProvider": "install `onnxruntime-gpu` (and uninstall `onnxruntime`; they conflict) on a machine with CUDA",
-    "TensorrtExecutionProvider": "install `onnxruntime-gpu` built with TensorRT (JetPack's onnxruntime wheel on a Jetson)",
-    "CPUExecutionProvider": "install `onnxruntime`",
-}
 _ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
-
-
-def _import_ort():
-    try:
-        import onnxruntime
-    except ImportError as exc:
-        raise BackendError("the onnx backend needs onnxruntime: `pip install edgespec[onnx]` "
-                           "(or `onnxruntime-gpu` for the CUDA / TensorRT providers)") from exc
-    return onnxruntime
-
-
-def _bundle_of(model_path: str) -> str:
-    """The bundle directory of a graph at <bundle>/onnx/<name>.onnx (for the commands messages suggest)."""
-    return os.path.dirname(os.path.dirname(os.path.abspath(model_path)))
 
 
 def tap_output_name(tap: str) -> str:
@@ -93,44 +75,21 @@ class OnnxTarget:
                  providers: Sequence[str] = ("CPUExecutionProvider",), threads: int = 0,
                  tap_names: Sequence[str] = ("final_norm",), profile_prefix: str = "",
                  arena_device: Optional[str] = None):
-        ort = _import_ort()
-        available = ort.get_available_providers()
-        for p in providers:
-            if p not in available:
-                raise BackendError(f"ONNX Runtime provider {p!r} is not available in this onnxruntime "
-                                   f"({ort.__version__}: {available}); {_INSTALL_HINT.get(p, 'install an onnxruntime build with it')}, "
-                                   "or configure providers: [CPUExecutionProvider]")
-        if not os.path.isfile(model_path):
-            raise BackendError(f"{model_path}: no such ONNX graph; export it with "
-                               f"`edgespec export --to onnx --bundle {_bundle_of(model_path)}`")
+        ort = import_ort()
         self.spec = spec
         self.cache = cache
         self.model_path = model_path
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads or os.cpu_count() or 1
-        opts.inter_op_num_threads = 1
-        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        # ORT's pool threads spin after each run by default; between verify passes the drafter runs (numpy
-        # BLAS or another graph) and spinning threads would steal its cores.
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        if profile_prefix:  # ORT's own per-node profiler (runtime.bench_backend --profile summarises it)
-            opts.enable_profiling = True
-            opts.profile_file_prefix = profile_prefix
-        try:
-            self.session = ort.InferenceSession(model_path, opts, providers=list(providers))
-        except Exception as exc:  # ORT raises its own Fail/InvalidGraph types
-            raise BackendError(f"{model_path}: ONNX Runtime could not load the graph ({exc}); re-export it") from exc
-        self.threads = opts.intra_op_num_threads
+        self.session = open_session(model_path, providers, threads, profile_prefix)
+        self.threads = threads or os.cpu_count() or 1
         inputs = {i.name: i for i in self.session.get_inputs()}
         if "past_key_0" not in inputs:
             raise BackendError(f"{model_path}: the graph has no per-layer inputs past_key_i (an older export?); "
-                               f"re-export it with `edgespec export --to onnx --bundle {_bundle_of(model_path)}`")
+                               f"re-export it with `edgespec export --to onnx --bundle {bundle_of(model_path)}`")
         graph_layers = sum(1 for n in inputs if n.startswith("past_key_"))
         if graph_layers != spec.num_layers:
             raise BackendError(f"{model_path}: the graph has {graph_layers} layers, the bundle's spec says "
                                f"{spec.num_layers}; re-export it with "
-                               f"`edgespec export --to onnx --bundle {_bundle_of(model_path)}`")
+                               f"`edgespec export --to onnx --bundle {bundle_of(model_path)}`")
         self.kv_dtype = np.dtype(_ORT_DTYPES[inputs["past_key_0"].type])
         if cache.k.dtype != self.kv_dtype:
             raise BackendError(f"{model_path}: the graph's K/V are {self.kv_dtype}, the KV arena is {cache.k.dtype}; "
@@ -192,7 +151,7 @@ class OnnxTarget:
         for name in taps:
             if name not in self.tap_names:
                 raise BackendError(f"tap {name!r} was not exported in {self.model_path} (it has {list(self.tap_names)}); "
-                                   f"re-export with `edgespec export --to onnx --bundle {_bundle_of(self.model_path)} "
+                                   f"re-export with `edgespec export --to onnx --bundle {bundle_of(self.model_path)} "
                                    f"--taps {' '.join(sorted(set(self.tap_names) | {name}))}`")
         if mask is None:
             add_mask = causal_additive_mask(p, t)

@@ -1,0 +1,102 @@
+"""Drafter networks on ONNX Runtime: the one place a drafter's own graph (an MTP module, Medusa heads, an
+EAGLE layer, a DFlash block) is opened and run, with the same session settings as the target's graph.
+
+A drafter graph is whatever its drafter needs per call (named float32 / int64 inputs -> named outputs);
+the graph's contract lives with its exporter (export/drafters/<kind>_onnx.py) and its drafter
+(runtime/drafters/<kind>.py), whose numpy path stays the oracle the export is checked against.
+
+    net = OnnxNet("bundle/onnx/drafter.mtp.fp32.onnx", threads=2)
+    out = net.run({"hidden": h, "input_ids": ids, ...})   # -> {"logits": (T, V) float32, ...}
+
+A drafter that keeps K/V for its own layers passes the past rows in as inputs (views of its KVCache rows in
+the shared arena: ORT reads host numpy arrays in place) and gets only the new rows back, which it writes
+into its cache itself: the graph never returns the whole cache."""
+from __future__ import annotations
+
+import os
+from typing import Dict, Mapping, Optional, Sequence
+
+import numpy as np
+
+from runtime.errors import BackendError
+
+_INSTALL_HINT = {
+    "CUDAExecutionProvider": "install `onnxruntime-gpu` (and uninstall `onnxruntime`; they conflict) on a machine with CUDA",
+    "TensorrtExecutionProvider": "install `onnxruntime-gpu` built with TensorRT (JetPack's onnxruntime wheel on a Jetson)",
+    "CPUExecutionProvider": "install `onnxruntime`",
+}
+
+
+def import_ort():
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        raise BackendError("the onnx backend needs onnxruntime: `pip install edgespec[onnx]` "
+                           "(or `onnxruntime-gpu` for the CUDA / TensorRT providers)") from exc
+    return onnxruntime
+
+
+def bundle_of(model_path: str) -> str:
+    """The bundle directory of a graph at <bundle>/onnx/<name>.onnx (for the commands messages suggest)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(model_path)))
+
+
+def open_session(model_path: str, providers: Sequence[str] = ("CPUExecutionProvider",), threads: int = 0,
+                 profile_prefix: str = ""):
+    """An ort.InferenceSession for one graph of a bundle, with the settings every edgespec graph runs under.
+    Raises BackendError (provider missing, no file, graph ORT refuses) with what to do."""
+    ort = import_ort()
+    available = ort.get_available_providers()
+    for p in providers:
+        if p not in available:
+            raise BackendError(f"ONNX Runtime provider {p!r} is not available in this onnxruntime "
+                               f"({ort.__version__}: {available}); {_INSTALL_HINT.get(p, 'install an onnxruntime build with it')}, "
+                               "or configure providers: [CPUExecutionProvider]")
+    if not os.path.isfile(model_path):
+        raise BackendError(f"{model_path}: no such ONNX graph; export it with "
+                           f"`edgespec export --to onnx --bundle {bundle_of(model_path)}`")
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads or os.cpu_count() or 1
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # ORT's pool threads spin after each run by default; between two graphs' runs (target, drafter, numpy
+    # maths) spinning threads would steal the cores the next one needs.
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if profile_prefix:  # ORT's own per-node profiler (runtime.bench_backend --profile summarises it)
+        opts.enable_profiling = True
+        opts.profile_file_prefix = profile_prefix
+    try:
+        return ort.InferenceSession(model_path, opts, providers=list(providers))
+    except Exception as exc:  # ORT raises its own Fail/InvalidGraph types
+        raise BackendError(f"{model_path}: ONNX Runtime could not load the graph ({exc}); re-export it") from exc
+
+
+class OnnxNet:
+    """One drafter graph: `run(feeds) -> {output name: array}`; checks the feeds name the graph's inputs."""
+
+    def __init__(self, model_path: str, providers: Sequence[str] = ("CPUExecutionProvider",), threads: int = 0,
+                 label: str = "drafter"):
+        self.model_path = model_path
+        self.label = label
+        self.session = open_session(model_path, providers, threads)
+        self.input_names = tuple(i.name for i in self.session.get_inputs())
+        self.output_names = tuple(o.name for o in self.session.get_outputs())
+
+    def require(self, inputs: Sequence[str] = (), outputs: Sequence[str] = ()) -> None:
+        """Refuse, at load, a graph without the inputs/outputs its drafter feeds/reads (an older export)."""
+        missing = [n for n in inputs if n not in self.input_names] + [n for n in outputs if n not in self.output_names]
+        if missing:
+            raise BackendError(f"{self.model_path}: the {self.label} graph has no {missing[0]!r} (it has inputs "
+                               f"{list(self.input_names)}, outputs {list(self.output_names)}); re-export it with "
+                               f"`edgespec export --to onnx --bundle {bundle_of(self.model_path)}`")
+
+    def run(self, feeds: Mapping[str, np.ndarray], outputs: Optional[Sequence[str]] = None) -> Dict[str, np.ndarray]:
+        names = list(outputs) if outputs is not None else list(self.output_names)
+        got = self.session.run(names, {k: np.ascontiguousarray(v) for k, v in feeds.items()})
+        return dict(zip(names, got))
+
+    @property
+    def weight_bytes(self) -> int:
+        data = self.model_path + ".data"
+        return os.path.getsize(self.model_path) + (os.path.getsize(data) if os.path.isfile(data) else 0)
