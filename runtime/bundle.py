@@ -354,6 +354,27 @@ class BundleWriter:
         return out
 
 
+def update_target_backend_params(root: str, key: str, name: str, value: Any) -> str:
+    """Set target.backends.<key>.params.<name> = value in the bundle at `root` and rewrite bundle.yaml
+    atomically; every other key of the manifest stays as it was (no file is re-checksummed: only the
+    manifest changes, and it is not one of the listed files). Returns the manifest path."""
+    manifest = os.path.join(root, MANIFEST)
+    load(root, verify_checksums=False)  # a manifest this runtime reads, with that backend
+    with open(manifest) as f:
+        m = yaml.safe_load(f)
+    entry = (m["target"].get("backends") or {}).get(key)
+    if entry is None:
+        raise BundleError(f"{manifest}: target.backends has no {key!r} entry; it has "
+                          f"{sorted(m['target'].get('backends') or {})}")
+    if not os.access(root, os.W_OK):
+        raise BundleError(f"{root}: not writable; profile a copy of the bundle to store what was measured")
+    if not isinstance(entry.get("params"), dict):
+        entry["params"] = {}
+    entry["params"][name] = value
+    write_atomically(manifest, yaml.safe_dump(m, sort_keys=False, width=200))
+    return manifest
+
+
 def write_atomically(path: str, text: str) -> None:
     """Replace `path` by a new file holding `text`: written to a temporary file beside it, then renamed.
     A reader sees the old file or the new one, never half of one; and a hard link to the old file (a

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from runtime.bundle import onnx_entry_key
 from runtime.config import DeviceProfile, load_config
 from runtime.errors import BundleError, ConfigError
 from runtime.kv import CacheShape
@@ -28,10 +29,19 @@ GiB, MiB = 1 << 30, 1 << 20
 DRAFT_SLACK = 64  # rows each cache holds beyond the context: the branch a drafter is drafting (the arena's extra)
 MIN_CONTEXT = 16  # the smallest context a session runs with (memory.max_context's lower limit)
 # Bytes per weight; int4 carries an fp16 scale per group of 128 weights (AWQ / GPTQ layout), int8 a per-row scale.
-BYTES_PER_WEIGHT = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5 + 2 / 128}
+# llama.cpp's quants (ggml block layouts): q8_0 34 B per 32 weights, q6_K 210 B per 256, and q4_K_M, a mix of
+# q4_K (144 B per 256) with q6_K for attn_v / ffn_down in half the layers: ~4.8 bits per decoder-layer weight
+# (Llama-3-8B Q4_K_M, 4.92 GB, less its q6_K output and q4_K token_embd); its LM head is q6_K.
+# A bundle's own files override these by their sizes on disk (bundle_inputs).
+BYTES_PER_WEIGHT = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5 + 2 / 128,
+                    "q8_0": 34 / 32, "q6_K": 210 / 256, "q4_K_M": 4.8 / 8}
+PRECISIONS = ("fp32", "fp16", "int8", "int4", "q8_0", "q4_K_M")  # --precision choices (q6_K: heads only)
+HEAD_OF_QUANT = {"q4_K_M": "q6_K"}  # llama.cpp keeps the LM head (or a tied embedding) at q6_K in q4_K_M
 # Resident bytes of the process before any model is loaded (VmRSS after imports, measured on the dev VM);
-# "device": a CUDA context + cuBLAS/TensorRT workspace on Orin, an estimate until profiled there.
-RUNTIME_OVERHEAD = {"numpy_ref": 40 * MiB, "onnx": 76 * MiB, "device": 512 * MiB, "tensorrt": 512 * MiB}
+# "device": a CUDA context + cuBLAS/TensorRT workspace on Orin, an estimate until profiled there. A bundle
+# profiled with `edgespec memory profile --save` stores its own per backend/precision (bundle_overhead).
+RUNTIME_OVERHEAD = {"numpy_ref": 40 * MiB, "onnx": 76 * MiB, "gguf": 76 * MiB, "device": 512 * MiB,
+                    "tensorrt": 512 * MiB}
 # onnxruntime's CPU arena keeps each session's peak (target and draft graph alike), at ~2.5x the numpy
 # activations of the same forward (zoo, prefill of 512-2048 tokens: 2.3-2.9x).
 ONNX_SCRATCH_FACTOR = 2.5
@@ -141,6 +151,8 @@ class PlanInputs:
     tree_tokens: int = 5  # tokens in the largest verify forward (draft depth x branching + the root)
     prefill_tokens: Optional[int] = None  # tokens per prefill forward; None = the whole context in one
     overhead_bytes: int = RUNTIME_OVERHEAD["device"]
+    overhead_note: str = "interpreter, libraries (default estimate)"
+    target_file_bytes: Optional[int] = None  # the target's weight files as the backend loads them (None: from dims)
     scratch_factor: float = 1.0  # backend activations / the numpy float32 count (ONNX_SCRATCH_FACTOR for onnx)
     fused_attention: bool = False  # device runtimes (TensorRT, llama.cpp) never hold the attention scores
     drafter_scratch: bool = False  # the drafter's own forward keeps its scratch too (a separate ORT session)
@@ -159,6 +171,17 @@ def weight_bytes(dims: ModelDims, precision: str, head_precision: str) -> Tuple[
     body 1,409,410,048 params -> 726,727,056 B, and 151936 x 2048 x 2 = 622,329,856 B for the head."""
     body = math.ceil(dims.body_params() * BYTES_PER_WEIGHT[precision])
     return body, math.ceil((dims.embedding_params() + dims.head_params()) * BYTES_PER_WEIGHT[head_precision])
+
+
+def target_weight_bytes(inp: "PlanInputs") -> Tuple[int, int]:
+    """(decoder-layer bytes, embedding + head bytes) of the target: from its dims at the plan's precisions, or,
+    when the backend loads its files as they are (ONNX graphs, GGUF), their size on disk with the head's share
+    from the dims. The zoo's int4 ONNX graph: 2,687,136 B of files, the float32 head 786,432 of them."""
+    body, head = weight_bytes(inp.target, inp.precision, inp.head_precision)
+    if inp.target_file_bytes is None:
+        return body, head
+    head = min(head, inp.target_file_bytes)
+    return inp.target_file_bytes - head, head
 
 
 def drafter_weight_bytes(inp: "PlanInputs") -> Tuple[int, int]:
@@ -188,8 +211,9 @@ def forward_scratch_bytes(dims: ModelDims, tokens: int, context: int, fused_atte
 
 def plan_rows(inp: PlanInputs, context: int, budget: int) -> List[Row]:
     """The rows of the plan at `context` positions (headroom: inp.headroom x budget)."""
-    t_body, t_head = weight_bytes(inp.target, inp.precision, inp.head_precision)
-    rows = [Row("target weights", t_body, f"{inp.target.layers} layers, {inp.precision}"),
+    t_body, t_head = target_weight_bytes(inp)
+    files = ", file sizes" if inp.target_file_bytes is not None else ""
+    rows = [Row("target weights", t_body, f"{inp.target.layers} layers, {inp.precision}{files}"),
             Row("target embedding + head", t_head, ("tied, " if inp.target.tie else "") + inp.head_precision)]
     shapes = [inp.target.cache_shape()]
     if inp.drafter is not None or inp.drafter_extra_bytes:
@@ -210,7 +234,7 @@ def plan_rows(inp: PlanInputs, context: int, budget: int) -> List[Row]:
         scratch += forward_scratch_bytes(inp.drafter, prefill, context, fused)
     scratch = int(scratch * inp.scratch_factor)
     rows.append(Row("forward scratch", scratch, f"prefill of {prefill} tokens or a {inp.tree_tokens}-token verify"))
-    rows.append(Row("runtime overhead", inp.overhead_bytes, "interpreter, libraries"))
+    rows.append(Row("runtime overhead", inp.overhead_bytes, inp.overhead_note))
     rows.append(Row("headroom", int(inp.headroom * budget), f"{inp.headroom:.0%} of the budget"))
     return rows
 
@@ -285,12 +309,12 @@ def levers(inp: PlanInputs, budget: int, context: int) -> List[Dict]:
     """What each change would free at `context`, largest first: quantizing the target's layers (int8, int4),
     its embedding/head, dropping the drafter, a 32k draft vocabulary, fp16 KV."""
     options = []
-    order = ["fp32", "fp16", "int8", "int4"]
-    for p in ("int8", "int4"):
-        if order.index(p) > order.index(inp.precision):
-            options.append((f"{p} decoder-layer weights", replace(inp, precision=p)))
-    if order.index(inp.head_precision) < order.index("int8"):
-        options.append(("int8 embedding and LM heads", replace(inp, head_precision="int8")))
+    rank = {"fp32": 0, "fp16": 1, "int8": 2, "q8_0": 2, "q6_K": 2.5, "int4": 3, "q4_K_M": 3}
+    for p in ("int8", "int4"):  # from the dims: the alternative has no files yet
+        if rank[p] > rank[inp.precision]:
+            options.append((f"{p} decoder-layer weights", replace(inp, precision=p, target_file_bytes=None)))
+    if rank[inp.head_precision] < rank["int8"]:
+        options.append(("int8 embedding and LM heads", replace(inp, head_precision="int8", target_file_bytes=None)))
     if inp.drafter is not None or inp.drafter_extra_bytes:
         options.append(("no drafter (plain decoding)", replace(inp, drafter=None, drafter_extra_bytes=0)))
     d = inp.drafter
@@ -311,7 +335,7 @@ def projected_decode(inp: PlanInputs, context: int, bandwidth_gbs: float, tau: O
     target's layers and LM head (the embedding only one row) and the KV of `context` positions.
     Speculative, with a measured tau: a cycle reads the target once and the drafter `num_draft` times.
     Qwen3-1.7B int4 at 68 GB/s, short context: 68e9 / 1.35e9 B = ~50 tok/s at most."""
-    t_body, t_head = weight_bytes(inp.target, inp.precision, inp.head_precision)
+    t_body, _ = target_weight_bytes(inp)
     head = inp.target.vocab * inp.target.hidden * BYTES_PER_WEIGHT[inp.head_precision]
     kv = kv_bytes_per_position([inp.target.cache_shape()], inp.kv_bytes) * context
     per_token = t_body + head + kv
@@ -418,18 +442,46 @@ def _engine_prefill_tokens(bundle, backend: str) -> Optional[int]:
     return int(profile["max_tokens"]) if profile else None
 
 
-def bundle_inputs(bundle, drafter: str, backend: str, tree_tokens: int) -> PlanInputs:
-    """PlanInputs of a bundle as a Session loads it: numpy_ref holds every weight as float32, an ONNX graph
-    at its export precision; a draft model without a graph for the backend runs in numpy (float32); an MTP
-    module is float32 numpy (its size from its safetensors header) and, beside an ONNX target, keeps its
-    own float32 copy of the target's embedding."""
+def backend_entry_key(backend: str, precision: str = "auto") -> str:
+    """The target backend entry a Session opens: "onnx.int8" for the ONNX int8 graph, else the backend's name.
+    One entry is one backend at one precision (a GGUF entry holds one quant), so what is measured of it
+    (`edgespec memory profile --save`) is stored in its params."""
+    return onnx_entry_key(precision) if backend == "onnx" and precision != "auto" else backend
+
+
+def bundle_overhead(files, backend: str) -> Tuple[int, str]:
+    """(runtime overhead bytes, its note): the one `edgespec memory profile --save` measured and stored in the
+    backend entry's params.memory_profile, else the default estimate of RUNTIME_OVERHEAD."""
+    saved = (files.params.get("memory_profile") or {}) if files is not None else {}
+    if isinstance(saved.get("runtime_overhead_bytes"), int):
+        return saved["runtime_overhead_bytes"], (f"measured by `edgespec memory profile --save` at context "
+                                                 f"{saved.get('context')}, drafter {saved.get('drafter')}")
+    return RUNTIME_OVERHEAD.get(backend, RUNTIME_OVERHEAD["onnx"]), "interpreter, libraries (default estimate)"
+
+
+def bundle_inputs(bundle, drafter: str, backend: str, tree_tokens: int, precision: str = "auto") -> PlanInputs:
+    """PlanInputs of a bundle as a Session loads it: numpy_ref holds every weight as float32; an ONNX graph
+    (fp32, fp16, or `precision` int8 / int4: entry onnx.int8 / onnx.int4, MatMulNBits with a float32 head) and
+    a GGUF (f16, q8_0, q4_K_M) weigh what their files weigh; a draft model without a graph for the backend runs
+    in numpy (float32); an MTP module is float32 numpy (its size from its safetensors header) and, beside an
+    ONNX target, keeps its own float32 copy of the target's embedding."""
     spec = bundle.target.spec
     target = dims_from_spec(spec)
-    kv = bundle_kv_bytes(bundle, backend)
+    key = backend_entry_key(backend, precision)
+    kv = bundle_kv_bytes(bundle, key)
     prec = "fp16" if kv == 2 else "fp32"
-    t_files = bundle.target.backends.get(backend)
-    if backend == "gguf" and t_files is not None:
-        prec = t_files.params.get("precision", "fp16")  # the GGUF's quant: fp16, int8 (q8_0), int4 (q4_K_M)
+    head_prec = prec
+    t_files = bundle.target.backends.get(key)
+    file_bytes = None
+    if t_files is not None and backend in ("onnx", "gguf"):  # loaded as they are on disk (ORT, llama.cpp)
+        sizes = [bundle.files[f].size for f in t_files.files if f in bundle.files]
+        file_bytes = sum(sizes) if len(sizes) == len(t_files.files) else None
+        if backend == "gguf":
+            q = t_files.params.get("quant", "f16")
+            prec = "fp16" if q == "f16" else q
+            head_prec = HEAD_OF_QUANT.get(prec, prec)
+        elif t_files.params.get("precision") in ("int8", "int4"):
+            prec, head_prec = t_files.params["precision"], "fp32"  # the quantiser keeps the head float32
     entry = bundle.drafters.get(drafter)
     draft, d_prec, extra = None, None, 0
     if entry is not None and entry.kind in ("eagle", "eagle3") and entry.spec is not None:
@@ -450,17 +502,20 @@ def bundle_inputs(bundle, drafter: str, backend: str, tree_tokens: int) -> PlanI
         draft = dims_from_spec(entry.spec)
         d_files = entry.backends.get(backend) if backend != "numpy_ref" else None
         d_prec = d_files.params.get("precision", "fp32") if d_files is not None else "fp32"
+        if d_files is not None and backend == "gguf":
+            d_prec = {"f16": "fp16"}.get(d_files.params.get("quant", "f16"), d_files.params.get("quant"))
     elif entry is not None and entry.kind == "medusa":  # float32 numpy heads; no cache of their own
         extra = 4 * sum(_safetensors_numel(bundle.path(f)) for f in entry.files if f.endswith(".safetensors"))
     elif entry is not None and entry.kind == "mtp":
         extra = 4 * sum(_safetensors_numel(bundle.path(f)) for f in entry.files if f.endswith(".safetensors"))
         if backend != "numpy_ref":
             extra += 4 * spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
-    overhead = RUNTIME_OVERHEAD.get(backend, RUNTIME_OVERHEAD["onnx"])
+    overhead, overhead_note = bundle_overhead(t_files, backend)
     onnx = backend != "numpy_ref"
     d_graph = entry is not None and entry.spec is not None and backend in entry.backends
-    return PlanInputs(target=target, drafter=draft, precision=prec, head_precision=prec, drafter_precision=d_prec,
+    return PlanInputs(target=target, drafter=draft, precision=prec, head_precision=head_prec, drafter_precision=d_prec,
                       kv_bytes=kv, drafter_extra_bytes=extra, tree_tokens=tree_tokens,
                       prefill_tokens=_engine_prefill_tokens(bundle, backend),
-                      overhead_bytes=overhead, scratch_factor=ONNX_SCRATCH_FACTOR if onnx else 1.0,
+                      overhead_bytes=overhead, overhead_note=overhead_note, target_file_bytes=file_bytes,
+                      scratch_factor=ONNX_SCRATCH_FACTOR if onnx else 1.0,
                       drafter_scratch=onnx and d_graph)

@@ -258,7 +258,7 @@ class Session:
         if entry is not None and entry.kind == "medusa":  # a static tree: its size is the bundle's, not the flags'
             depth = min(config.drafter.num_tokens, int(entry.params.get("num_heads", config.drafter.num_tokens)))
             tree_tokens = len(resolve_tree(entry.params.get("tree", "chain"), depth)) + 1
-        self.plan_inputs = memory.bundle_inputs(b, name, backend.kind, tree_tokens)
+        self.plan_inputs = memory.bundle_inputs(b, name, backend.kind, tree_tokens, backend.precision)
         positions = config.memory.max_context
         self.budget_bytes = int(config.memory.budget_mb * 2**20)
         if self.budget_bytes > 0:

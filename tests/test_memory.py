@@ -172,3 +172,78 @@ def test_plan_plot_has_a_curve_per_drafter_choice_and_is_written_atomically(tiny
     code, _, err = run_cli(["memory", "plan", "--bundle", tiny_bundle, "--plot", str(out)], capsys)
     assert code in (0, 1) and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", err
     assert os.listdir(tmp_path) == ["plan.png"]  # no temporary left behind
+
+
+# ---------------------------------------------------------------------------------------------- precision, --save
+
+def with_target_entries(b, **entries):
+    """The bundle `b` with extra target backend entries {key: (params, {file: size})} (no file is read)."""
+    from dataclasses import replace
+    from runtime.bundle import BackendFiles, FileEntry
+    backends, files = dict(b.target.backends), dict(b.files)
+    for key, (params, sizes) in entries.items():
+        backends[key.replace("_", ".")] = BackendFiles(tuple(sizes), params)
+        files.update({f: FileEntry(f, "0" * 64, n) for f, n in sizes.items()})
+    return replace(b, target=replace(b.target, backends=backends), files=files)
+
+
+def test_int8_int4_onnx_and_gguf_entries_weigh_what_their_files_weigh(tiny_bundle):
+    from runtime import bundle as bundle_io
+    b = with_target_entries(bundle_io.load(tiny_bundle),
+                            onnx_int4=({"precision": "int4"}, {"onnx/t.int4.onnx": 10_000, "onnx/t.int4.onnx.data": 990_000}),
+                            gguf=({"quant": "q4_K_M", "precision": "int4"}, {"gguf/t.q4_K_M.gguf": 800_000}))
+    spec = b.target.spec
+    for backend, precision, total, head_precision in [("onnx", "int4", 1_000_000, "fp32"), ("gguf", "auto", 800_000, "q6_K")]:
+        inp = memory.bundle_inputs(b, "none", backend, 5, precision)
+        rows = {r.name: r.bytes for r in memory.plan_rows(inp, 64, 10**9)}
+        head = memory.math.ceil(spec.vocab_size * spec.hidden_size * memory.BYTES_PER_WEIGHT[head_precision])
+        assert inp.head_precision == head_precision and rows["target embedding + head"] == head
+        assert rows["target weights"] + rows["target embedding + head"] == total  # the files, split by the head's share
+    assert memory.bundle_inputs(b, "none", "onnx", 5, "int4").kv_bytes == 4  # a quantised graph keeps float32 K/V
+    assert memory.bundle_inputs(b, "none", "gguf", 5).kv_bytes == 2  # llama.cpp: f16 K/V
+    assert memory.bundle_inputs(b, "none", "numpy_ref", 5).target_file_bytes is None  # widened to float32: the dims
+
+
+def test_llama_cpp_quants_from_a_config_alone(capsys, monkeypatch):
+    """q8_0: 34 B per 32 weights; q4_K_M: ~4.8 bits per decoder-layer weight, its head q6_K (210 B per 256)."""
+    q = memory.read_hf_config(os.path.join(MODELS, "qwen3-1.7b.json"))
+    assert memory.weight_bytes(q, "q8_0", "q8_0") == (1_497_498_176, 330_612_736)  # 1,409,410,048 x 34/32
+    assert memory.weight_bytes(q, "q4_K_M", "q6_K") == (845_646_029, 255_252_480)  # 151936 x 2048 x 210/256
+    monkeypatch.chdir(ROOT)
+    code, out, _ = run_cli(["memory", "plan", "--config", "configs/models/qwen3-1.7b.json", "--precision", "q4_K_M",
+                            "--device", "orin_nano_8gb", "--json"], capsys)
+    rows = {r["name"]: r for r in json.loads(out)["rows"]}
+    assert code == 0 and rows["target embedding + head"]["bytes"] == 255_252_480  # q6_K by default with q4_K_M
+
+
+def test_profile_save_stores_the_measured_overhead_and_later_plans_use_it(tiny_bundle, tmp_path, capsys):
+    import shutil
+
+    import yaml
+    from runtime import bundle as bundle_io
+    copy = str(tmp_path / "b")
+    shutil.copytree(tiny_bundle, copy)
+    with open(os.path.join(copy, "bundle.yaml")) as f:
+        before = yaml.safe_load(f)
+    code, out, _ = run_cli(["memory", "profile", "--bundle", copy, "--backend", "numpy_ref", "--context", "64",
+                            "--max-tokens", "4", "--save", "--json"], capsys)
+    r = json.loads(out)
+    with open(os.path.join(copy, "bundle.yaml")) as f:
+        after = yaml.safe_load(f)
+    saved = after["target"]["backends"]["numpy_ref"]["params"].pop("memory_profile")
+    assert code == 0 and after == before  # nothing but the one key changed
+    assert saved["runtime_overhead_bytes"] == r["measured_overhead_bytes"] > 0 and saved["context"] == 64
+    assert r["measured_overhead_bytes"] == r["measured_peak_bytes"] - (r["planned_peak_bytes"] - next(
+        row["bytes"] for row in r["rows"] if row["name"] == "runtime overhead"))
+    assert [f for f in os.listdir(copy) if f.endswith(".tmp")] == []
+    inp = memory.bundle_inputs(bundle_io.load(copy), "draft_model", "numpy_ref", 5)  # checksums still hold
+    assert inp.overhead_bytes == saved["runtime_overhead_bytes"] and "--save" in inp.overhead_note
+    assert memory.bundle_inputs(bundle_io.load(copy), "none", "onnx", 5).overhead_bytes == memory.RUNTIME_OVERHEAD["onnx"]
+    code, out, _ = run_cli(["memory", "plan", "--bundle", copy, "--backend", "numpy_ref", "--json"], capsys)
+    row = next(x for x in json.loads(out)["rows"] if x["name"] == "runtime overhead")
+    assert row["bytes"] == saved["runtime_overhead_bytes"] and "measured by `edgespec memory profile --save`" in row["note"]
+
+
+def test_plan_of_a_missing_onnx_precision_names_the_export_command(tiny_bundle, capsys):
+    code, _, err = run_cli(["memory", "plan", "--bundle", tiny_bundle, "--backend", "onnx", "--precision", "int4"], capsys)
+    assert code == 2 and "no int4 ONNX graph" in err and "edgespec export --to onnx --precision int4" in err

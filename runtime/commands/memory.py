@@ -23,6 +23,7 @@ examples:
       --device orin_nx_16gb --precision int4
   edgespec memory plan --bundle build/bundles/zoo --device this_machine --budget 80% --json
   edgespec memory profile --bundle build/bundles/zoo --context 1024 --backend onnx
+  edgespec memory profile --bundle build/bundles/zoo --context 128 --backend onnx --precision int8 --save
 """
 
 
@@ -37,13 +38,16 @@ def register(sub) -> None:
     src.add_argument("--config", help="the target's HF config.json (e.g. configs/models/qwen3-1.7b.json)")
     plan.add_argument("--drafter-config", help="a drafter's HF config.json (a draft model or an EAGLE-3 head)")
     plan.add_argument("--drafter", help="with --bundle: the bundle drafter to plan (default: the bundle's)")
-    plan.add_argument("--backend", choices=["numpy_ref", "onnx", "tensorrt"], default="onnx",
+    plan.add_argument("--backend", choices=["numpy_ref", "onnx", "gguf", "tensorrt"], default="onnx",
                       help="with --bundle: the backend it runs on (default onnx)")
     add_device_args(plan)
-    plan.add_argument("--precision", choices=["fp16", "int8", "int4"], default="fp16",
-                      help="with --config: decoder-layer weight precision (default fp16)")
-    plan.add_argument("--head-precision", choices=["fp16", "int8", "int4"], default="fp16",
-                      help="with --config: embedding and LM head precision (default fp16, as int4 runtimes keep it)")
+    plan.add_argument("--precision", choices=memory.PRECISIONS,
+                      help="with --config: decoder-layer weight precision (default fp16; q8_0 / q4_K_M: llama.cpp's "
+                           "quants); with --bundle --backend onnx: the graph (fp32/fp16 = the float one, int8 / int4 = "
+                           "entry onnx.int8 / onnx.int4), as backend.precision picks it")
+    plan.add_argument("--head-precision", choices=[*memory.PRECISIONS, "q6_K"],
+                      help="with --config: embedding and LM head precision (default fp16, as int4 runtimes keep it; "
+                           "q6_K with --precision q4_K_M, as llama.cpp does)")
     plan.add_argument("--context", type=int, help="plan the rows at this context (default: the longest that fits)")
     plan.add_argument("--num-draft", type=int, default=4, help="draft tokens per cycle (verify tree size), default 4")
     plan.add_argument("--prefill-chunk", type=int, default=256,
@@ -54,11 +58,19 @@ def register(sub) -> None:
     plan.set_defaults(func=run_plan)
     prof = cmds.add_parser("profile", help="load a bundle, run a request at a context, compare the peak to the plan")
     prof.add_argument("--bundle", help="bundle directory (default: the zoo)")
-    prof.add_argument("--backend", choices=["auto", "numpy_ref", "onnx", "tensorrt"], help="backend (default auto)")
+    prof.add_argument("--backend", choices=["auto", "numpy_ref", "onnx", "gguf", "tensorrt"],
+                      help="backend (default auto)")
+    prof.add_argument("--precision", choices=["auto", "fp32", "fp16", "int8", "int4"],
+                      help="onnx: the target graph (int8 / int4: entry onnx.int8 / onnx.int4); default auto")
     prof.add_argument("--drafter", help="drafter (default: the bundle's)")
     prof.add_argument("--context", type=int, default=1024, help="positions: the prompt fills them but --max-tokens")
     prof.add_argument("--max-tokens", type=int, default=32, help="tokens generated after the prompt (default 32)")
     prof.add_argument("--device", default="this_machine", help="device profile for the roofline (default this_machine)")
+    prof.add_argument("--save", action="store_true",
+                      help="store the measured runtime overhead (peak less every other planned row) in the bundle's "
+                           "backend entry (params.memory_profile; bundle.yaml rewritten atomically, nothing else "
+                           "changed); plans of this backend/precision then use it. Profile at a short --context "
+                           "(e.g. 128) so that the fixed costs dominate")
     prof.add_argument("--json", action="store_true", help="print one JSON object")
     prof.set_defaults(func=run_profile, config=None)
 
@@ -89,12 +101,21 @@ def plan_inputs(args) -> Tuple[memory.PlanInputs, Dict[str, memory.PlanInputs]]:
                               "builds build/bundles/zoo)")
         b = bundle_io.load(args.bundle, verify_checksums=False)
         drafter = args.drafter or b.default_drafter
-        choices = {d: memory.bundle_inputs(b, d, args.backend, args.num_draft + 1) for d in ["none", *b.drafters]}
-        return memory.bundle_inputs(b, drafter, args.backend, args.num_draft + 1), choices
+        precision = args.precision or "auto"
+        if args.backend == "onnx" and precision not in ("auto", "fp32", "fp16"):
+            b.onnx_target(precision)  # a BundleError naming the export command when the graph is missing
+        elif args.backend != "onnx" and precision != "auto":
+            raise ConfigError(f"--precision {precision}: with --bundle it picks an ONNX graph (--backend onnx); a "
+                              f"{args.backend} entry has one precision, its own")
+        choices = {d: memory.bundle_inputs(b, d, args.backend, args.num_draft + 1, precision)
+                   for d in ["none", *b.drafters]}
+        return memory.bundle_inputs(b, drafter, args.backend, args.num_draft + 1, precision), choices
     _positive("--prefill-chunk", args.prefill_chunk)
     draft = memory.read_hf_config(args.drafter_config) if args.drafter_config else None
-    inp = memory.PlanInputs(target=memory.read_hf_config(args.config), drafter=draft, precision=args.precision,
-                            head_precision=args.head_precision, tree_tokens=args.num_draft + 1,
+    precision = args.precision or "fp16"
+    head = args.head_precision or memory.HEAD_OF_QUANT.get(precision, "fp16" if precision != "fp32" else "fp32")
+    inp = memory.PlanInputs(target=memory.read_hf_config(args.config), drafter=draft, precision=precision,
+                            head_precision=head, tree_tokens=args.num_draft + 1,
                             prefill_tokens=args.prefill_chunk, fused_attention=True)
     choices = {"target alone": replace(inp, drafter=None, tree_tokens=1)}
     if draft is not None:
@@ -144,6 +165,14 @@ def process_memory() -> dict:
         return {l.split(":")[0]: int(l.split()[1]) * 1024 for l in f if l.startswith(("VmRSS", "VmHWM"))}
 
 
+def save_overhead(bundle_dir: str, key: str, overhead: int, context: int, drafter: str, peak: int) -> str:
+    """Store a measured runtime overhead in the bundle entry `key` (bundle_overhead reads it back)."""
+    from runtime import bundle as bundle_io
+    record = {"runtime_overhead_bytes": int(overhead), "context": context, "drafter": drafter, "peak_bytes": int(peak),
+              "measured": time.strftime("%Y-%m-%d", time.gmtime())}
+    return bundle_io.update_target_backend_params(bundle_dir, key, "memory_profile", record)
+
+
 def run_profile(args) -> int:
     if args.context is None or args.context < memory.MIN_CONTEXT or args.max_tokens < 1 \
             or args.max_tokens >= args.context:
@@ -164,6 +193,9 @@ def run_profile(args) -> int:
     plan = memory.make_plan(session.plan_inputs, max(session.budget_bytes, 1), args.context)
     planned = plan.total - plan.row("headroom")
     kv_planned = plan.row("target KV") + plan.row("drafter KV")
+    # what the other rows do not account for: the interpreter, libraries, the backend's own workspace
+    overhead = end["VmHWM"] - (planned - plan.row("runtime overhead"))
+    key = memory.backend_entry_key(session.backend_name, cfg.backend.precision)
     roof = memory.projected_decode(session.plan_inputs, args.context, device.bandwidth_gbs, tau=stats.tau,
                                    num_draft=cfg.drafter.num_tokens)
     record = {"bundle": cfg.bundle, "backend": session.backend_name, "drafter": session.drafter_kind,
@@ -171,7 +203,10 @@ def run_profile(args) -> int:
               "tau": stats.tau, "planned_peak_bytes": planned, "measured_peak_bytes": end["VmHWM"],
               "unaccounted_bytes": end["VmHWM"] - planned, "rss_after_load_bytes": loaded["VmRSS"],
               "kv_arena_bytes": session.arena.capacity_bytes, "kv_planned_bytes": kv_planned,
-              "rows": plan.to_dict()["rows"], "projection": roof, "device": device.name}
+              "rows": plan.to_dict()["rows"], "projection": roof, "device": device.name,
+              "entry": key, "measured_overhead_bytes": overhead}
+    if args.save:
+        record["saved_to"] = save_overhead(cfg.bundle, key, overhead, args.context, session.drafter_kind, end["VmHWM"])
     if args.json:
         print(json.dumps(record))
         return 0
@@ -183,14 +218,17 @@ def run_profile(args) -> int:
                ("drafter weights", plan.row("drafter weights"), session.drafter.memory_bytes if session.drafter else 0),
                ("KV arena", kv_planned, session.arena.capacity_bytes),
                ("forward scratch", plan.row("forward scratch"), None),
-               ("runtime overhead", plan.row("runtime overhead"), start["VmRSS"]),
+               ("runtime overhead", plan.row("runtime overhead"), overhead),
                ("peak (VmHWM)", planned, end["VmHWM"])]
     for name, want, got in compare:
         m = f"{got / memory.MiB:13.1f} {(got - want) / memory.MiB:+12.1f}" if got is not None else ""
         print(f"{name:26s} {want / memory.MiB:12.1f} {m}")
     gap = end["VmHWM"] - planned
     print(f"peak: measured {gap / planned:+.1%} of the plan (weights as the backend reports them; runtime overhead "
-          "measured = resident size before loading)")
+          f"measured = the peak less every other planned row; planned: {plan.rows[-2].note})")
+    if args.save:
+        print(f"saved: runtime overhead {overhead / memory.MiB:.1f} MiB in {record['saved_to']} "
+              f"(target.backends.{key}.params.memory_profile); plans of this backend/precision use it")
     print(f"resident after load {loaded['VmRSS'] / memory.MiB:.1f} MiB; at the start {start['VmRSS'] / memory.MiB:.1f} MiB")
     spec = f", speculative <= {roof['speculative_tok_s_bound']:.1f} tok/s at the measured tau" \
         if "speculative_tok_s_bound" in roof else ""
