@@ -45,6 +45,7 @@ RUNTIME_OVERHEAD = {"numpy_ref": 40 * MiB, "onnx": 76 * MiB, "gguf": 76 * MiB, "
 # onnxruntime's CPU arena keeps each session's peak (target and draft graph alike), at ~2.5x the numpy
 # activations of the same forward (zoo, prefill of 512-2048 tokens: 2.3-2.9x).
 ONNX_SCRATCH_FACTOR = 2.5
+GGUF_BATCH = 512  # llama.cpp's batch (runtime/backends/llamacpp.py max_batch): prefill in chunks of it
 HEADROOM = 0.05  # share of the budget kept free (allocator fragmentation, the robot stack's spikes)
 EAGLE3_DRAFT_VOCAB = 32000  # the draft vocabulary of the published EAGLE-3 heads
 
@@ -156,6 +157,7 @@ class PlanInputs:
     scratch_factor: float = 1.0  # backend activations / the numpy float32 count (ONNX_SCRATCH_FACTOR for onnx)
     fused_attention: bool = False  # device runtimes (TensorRT, llama.cpp) never hold the attention scores
     drafter_scratch: bool = False  # the drafter's own forward keeps its scratch too (a separate ORT session)
+    chunk_outputs: bool = False  # the prefill returns every prompt row's logits as batches, then their concatenation
     headroom: float = HEADROOM
 
 
@@ -234,6 +236,10 @@ def plan_rows(inp: PlanInputs, context: int, budget: int) -> List[Row]:
         scratch += forward_scratch_bytes(inp.drafter, prefill, context, fused)
     scratch = int(scratch * inp.scratch_factor)
     rows.append(Row("forward scratch", scratch, f"prefill of {prefill} tokens or a {inp.tree_tokens}-token verify"))
+    if inp.chunk_outputs:
+        # llama.cpp's prefill (runtime/backends/llamacpp.py) copies each batch's float32 logits out, then
+        # concatenates them (a copy even of one batch): two copies of context x vocab at the end of the prefill
+        rows.append(Row("prefill logits", 2 * 4 * context * inp.target.vocab, f"2 x {context} x {inp.target.vocab} float32"))
     rows.append(Row("runtime overhead", inp.overhead_bytes, inp.overhead_note))
     rows.append(Row("headroom", int(inp.headroom * budget), f"{inp.headroom:.0%} of the budget"))
     return rows
@@ -435,8 +441,10 @@ def _safetensors_numel(path: str) -> int:
 
 
 def _engine_prefill_tokens(bundle, backend: str) -> Optional[int]:
-    """TensorRT engines prefill in chunks of their prefill profile (runtime/backends/tensorrt.py); the other
-    backends prefill a prompt in one forward (None = the whole context)."""
+    """TensorRT engines prefill in chunks of their prefill profile (runtime/backends/tensorrt.py), llama.cpp in
+    batches of GGUF_BATCH; the other backends prefill a prompt in one forward (None = the whole context)."""
+    if backend == "gguf":
+        return GGUF_BATCH
     files = bundle.target.backends.get(backend) if backend == "tensorrt" else None
     profile = (files.params.get("profiles") or {}).get("prefill") if files is not None else None
     return int(profile["max_tokens"]) if profile else None
@@ -517,5 +525,6 @@ def bundle_inputs(bundle, drafter: str, backend: str, tree_tokens: int, precisio
                       kv_bytes=kv, drafter_extra_bytes=extra, tree_tokens=tree_tokens,
                       prefill_tokens=_engine_prefill_tokens(bundle, backend),
                       overhead_bytes=overhead, overhead_note=overhead_note, target_file_bytes=file_bytes,
-                      scratch_factor=ONNX_SCRATCH_FACTOR if onnx else 1.0,
+                      scratch_factor=ONNX_SCRATCH_FACTOR if backend not in ("numpy_ref", "gguf") else 1.0,
+                      chunk_outputs=backend == "gguf",
                       drafter_scratch=onnx and d_graph)

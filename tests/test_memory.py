@@ -200,7 +200,10 @@ def test_int8_int4_onnx_and_gguf_entries_weigh_what_their_files_weigh(tiny_bundl
         assert inp.head_precision == head_precision and rows["target embedding + head"] == head
         assert rows["target weights"] + rows["target embedding + head"] == total  # the files, split by the head's share
     assert memory.bundle_inputs(b, "none", "onnx", 5, "int4").kv_bytes == 4  # a quantised graph keeps float32 K/V
-    assert memory.bundle_inputs(b, "none", "gguf", 5).kv_bytes == 2  # llama.cpp: f16 K/V
+    gguf = memory.bundle_inputs(b, "none", "gguf", 5)
+    assert gguf.kv_bytes == 2 and gguf.prefill_tokens == memory.GGUF_BATCH  # llama.cpp: f16 K/V, batches of 512
+    rows = {r.name: r.bytes for r in memory.plan_rows(gguf, 1000, 10**9)}
+    assert rows["prefill logits"] == 2 * 4 * 1000 * spec.vocab_size  # the batches' logits and their concatenation
     assert memory.bundle_inputs(b, "none", "numpy_ref", 5).target_file_bytes is None  # widened to float32: the dims
 
 
