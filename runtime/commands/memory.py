@@ -131,7 +131,8 @@ def run_plan(args) -> int:
     plan = memory.make_plan(inp, budget, args.context)
     if args.plot:
         src = args.bundle or os.path.basename(args.config)
-        write_plan_plot(args.plot, plan, choices, f"edgespec memory plan: {src} on {device.name}")
+        title = f"edgespec memory plan: {src} ({inp.precision} weights) on {device.name}"
+        write_plan_plot(args.plot, plan, choices, title)
     levers = memory.levers(inp, budget, plan.context)
     roof_ctx = min(plan.context, 1024)
     roof = memory.projected_decode(inp, roof_ctx, device.bandwidth_gbs)
