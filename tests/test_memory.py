@@ -250,3 +250,13 @@ def test_profile_save_stores_the_measured_overhead_and_later_plans_use_it(tiny_b
 def test_plan_of_a_missing_onnx_precision_names_the_export_command(tiny_bundle, capsys):
     code, _, err = run_cli(["memory", "plan", "--bundle", tiny_bundle, "--backend", "onnx", "--precision", "int4"], capsys)
     assert code == 2 and "no int4 ONNX graph" in err and "edgespec export --to onnx --precision int4" in err
+
+
+def test_device_memory_is_read_from_nvidia_smi_for_this_process_only(tmp_path, monkeypatch):
+    from runtime.commands.memory import device_memory_used
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert device_memory_used(os.getpid()) is None  # no nvidia-smi: nothing measured, no error
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\necho '{os.getpid()}, 1500'\necho '1, 9000'\n")
+    smi.chmod(0o755)
+    assert device_memory_used(os.getpid()) == 1500 * MiB

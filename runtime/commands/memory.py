@@ -7,7 +7,7 @@ import json
 import os
 import time
 from dataclasses import replace
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 from runtime import memory
 from runtime.commands.common import edgespec_root, runtime_config
@@ -166,6 +166,23 @@ def process_memory() -> dict:
         return {l.split(":")[0]: int(l.split()[1]) * 1024 for l in f if l.startswith(("VmRSS", "VmHWM"))}
 
 
+def device_memory_used(pid: int) -> Optional[int]:
+    """Bytes of GPU memory process `pid` holds, from `nvidia-smi` (discrete GPUs); None where there is no
+    nvidia-smi or it lists no such process (no GPU; Jetson, whose GPU memory is the process's own, is in VmHWM)."""
+    import shutil
+    import subprocess
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = [line.split(",") for line in out.splitlines()]
+    used = [int(r[1]) * memory.MiB for r in rows if len(r) == 2 and r[0].strip() == str(pid) and r[1].strip().isdigit()]
+    return sum(used) if used else None
+
+
 def save_overhead(bundle_dir: str, key: str, overhead: int, context: int, drafter: str, peak: int) -> str:
     """Store a measured runtime overhead in the bundle entry `key` (bundle_overhead reads it back)."""
     from runtime import bundle as bundle_io
@@ -205,7 +222,7 @@ def run_profile(args) -> int:
               "unaccounted_bytes": end["VmHWM"] - planned, "rss_after_load_bytes": loaded["VmRSS"],
               "kv_arena_bytes": session.arena.capacity_bytes, "kv_planned_bytes": kv_planned,
               "rows": plan.to_dict()["rows"], "projection": roof, "device": device.name,
-              "entry": key, "measured_overhead_bytes": overhead}
+              "entry": key, "measured_overhead_bytes": overhead, "device_memory_bytes": device_memory_used(os.getpid())}
     if args.save:
         record["saved_to"] = save_overhead(cfg.bundle, key, overhead, args.context, session.drafter_kind, end["VmHWM"])
     if args.json:
@@ -231,6 +248,9 @@ def run_profile(args) -> int:
         print(f"saved: runtime overhead {overhead / memory.MiB:.1f} MiB in {record['saved_to']} "
               f"(target.backends.{key}.params.memory_profile); plans of this backend/precision use it")
     print(f"resident after load {loaded['VmRSS'] / memory.MiB:.1f} MiB; at the start {start['VmRSS'] / memory.MiB:.1f} MiB")
+    dev = record["device_memory_bytes"]
+    print(f"device memory (nvidia-smi): {dev / memory.MiB:.1f} MiB" if dev is not None else
+          "device memory: none measured (no nvidia-smi process entry: no discrete GPU in use; on Jetson it is in VmHWM)")
     spec = f", speculative <= {roof['speculative_tok_s_bound']:.1f} tok/s at the measured tau" \
         if "speculative_tok_s_bound" in roof else ""
     print(f"projection (bandwidth bound on {device.name}, {device.bandwidth_gbs:g} GB/s; not measured): "
