@@ -132,7 +132,7 @@ def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max
         return MTPDrafter(spec, weights, embed, head, caches, num_tokens=num_tokens,
                           layer_index=int(entry.params.get("first_layer_index", spec.num_layers)),
                           layout=str(entry.params.get("layout", "deepseek_v3")),
-                          nets=mtp_graphs(bundle, entry, backend, modules))
+                          nets=mtp_graphs(bundle, entry, backend, arena, modules))
     if entry.kind == "medusa":
         spec = bundle.target.spec
         return MedusaDrafter(load_weights(bundle, entry.files), tree=entry.params.get("tree", "chain"),
@@ -154,12 +154,14 @@ def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max
     raise BundleError(f"drafter kind {entry.kind!r} is not available in this runtime yet")
 
 
-def mtp_graphs(bundle, entry, backend: BackendConfig, modules: int):
+def mtp_graphs(bundle, entry, backend: BackendConfig, arena: KVArena, modules: int):
     """The MTP modules' ONNX graphs (one per module, in order) when the session runs on ONNX Runtime and the
     bundle has them; None = run the modules in numpy."""
     files = entry.backends.get("onnx") if backend.kind == "onnx" else None
     if files is None:
         return None
+    if (files.params.get("precision") == "fp16") != (arena.dtype == np.float16):
+        return None  # graphs of the other float precision than this session's KV arena (e.g. an int8 target): numpy
     from runtime.backends.onnx_net import OnnxNet
     graphs = [f for f in files.files if f.endswith(".onnx")]
     if len(graphs) != modules:
