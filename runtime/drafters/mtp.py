@@ -114,19 +114,20 @@ class MTPModule:
             raise BundleError(f"MTP module: {keys['proj']} has shape {proj.shape}, expected ({h}, {2 * h})")
         if MTP_LAYOUTS[layout].hidden_first:  # store [emb, hidden] columns: one concat order below
             proj = np.concatenate([proj[:, h:], proj[:, :h]], axis=1)
-        self.w = {k: np.ascontiguousarray(weights[k], dtype=np.float32) for k in decoder_layer_weight_names(p, spec)}
-        self.norms = {k: np.ascontiguousarray(weights[keys[k]], np.float32) for k in ("emb_norm", "hidden_norm", "out_norm")}
-        self.proj = np.ascontiguousarray(proj, np.float32)  # (H, 2H), columns [emb, hidden]
         self.prefix = p
         self.spec = spec
         self.embed = embed
-        own_head = weights.get(keys.get("head", ""))
-        self.head = np.ascontiguousarray(own_head, np.float32) if own_head is not None else head
         self.inv_freq = rope_inv_freq(spec)
         self.cache = cache
         self.net = net
-        if net is not None:
+        if net is not None:  # the graph holds the weights: no float32 copies kept beside it
             net.require(GRAPH_INPUTS, GRAPH_OUTPUTS)
+            return
+        self.w = {k: np.ascontiguousarray(weights[k], dtype=np.float32) for k in decoder_layer_weight_names(p, spec)}
+        self.norms = {k: np.ascontiguousarray(weights[keys[k]], np.float32) for k in ("emb_norm", "hidden_norm", "out_norm")}
+        self.proj = np.ascontiguousarray(proj, np.float32)  # (H, 2H), columns [emb, hidden]
+        own_head = weights.get(keys.get("head", ""))
+        self.head = np.ascontiguousarray(own_head, np.float32) if own_head is not None else head
 
     @property
     def weight_bytes(self) -> int:
