@@ -85,14 +85,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class DecoderGraph(nn.Module):
     """One decoder-only model as an export-friendly module (see the module docstring for the contract)."""
 
-    def __init__(self, spec: ModelSpec, weights: Mapping[str, np.ndarray], taps: Sequence[str], precision: str):
+    def __init__(self, spec: ModelSpec, weights: Mapping[str, np.ndarray], taps: Sequence[str], precision: str,
+                 names: Optional[Sequence[str]] = None):
+        """`names`: the weights to bake in (default: the whole decoder's); a graph built from this one's
+        blocks (an MTP module: export/drafters/mtp_onnx.py) names its own."""
         super().__init__()
         self.spec = spec
         self.dtype = PRECISIONS[precision]
         self.taps = list(taps)
         for t in self.taps:
             parse_tap(t, spec.num_layers)
-        w = load_float32(weights, required_weight_names(spec), "export")
+        w = load_float32(weights, required_weight_names(spec) if names is None else names, "export")
         self._names: Dict[str, str] = {}
         for name, arr in w.items():
             attr = name.replace(".", "__")
@@ -128,36 +131,45 @@ class DecoderGraph(nn.Module):
         out = probs[..., :p] @ past_v.permute(1, 0, 2) + probs[..., p:] @ v.permute(1, 0, 2)  # (nkv, g*T, d)
         return out.reshape(nkv, g, t, d).permute(2, 0, 1, 3).reshape(t, s.num_heads * d)
 
-    def forward(self, input_ids, position_ids, attention_mask, past_keys, past_values):
-        s = self.spec
-        nh, nkv, d, eps = s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps
-        t = input_ids.shape[0]
+    def rope(self, position_ids):
+        """position_ids (T,) -> cos, sin (T, 1, d) in the graph's dtype."""
         freqs = position_ids.float()[:, None] * self.inv_freq[None, :]  # (T, d/2)
         emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # (T, 1, d)
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def decoder_layer(self, p: str, x, cos, sin, past_k, past_v, mask):
+        """One decoder layer (weights under prefix `p`) on x (T, H) -> (x', new K, new V (T, nkv, d))."""
+        s = self.spec
+        nh, nkv, d, eps = s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps
+        t = x.shape[0]
+        h = _rms_norm(x, self.w(p + "input_layernorm.weight"), eps)
+        q = self._linear(h, p + "self_attn.q_proj", s.qkv_bias).reshape(t, nh, d)
+        k = self._linear(h, p + "self_attn.k_proj", s.qkv_bias).reshape(t, nkv, d)
+        v = self._linear(h, p + "self_attn.v_proj", s.qkv_bias).reshape(t, nkv, d)
+        if s.qk_norm:
+            q = _rms_norm(q, self.w(p + "self_attn.q_norm.weight"), eps)
+            k = _rms_norm(k, self.w(p + "self_attn.k_norm.weight"), eps)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        attn = self._attention(q, k, v, past_k, past_v, mask)
+        x = x + self._linear(attn, p + "self_attn.o_proj")
+        h = _rms_norm(x, self.w(p + "post_attention_layernorm.weight"), eps)
+        gate = self._linear(h, p + "mlp.gate_proj")
+        x = x + self._linear(torch.nn.functional.silu(gate) * self._linear(h, p + "mlp.up_proj"), p + "mlp.down_proj")
+        return x, k, v
+
+    def forward(self, input_ids, position_ids, attention_mask, past_keys, past_values):
+        s = self.spec
+        cos, sin = self.rope(position_ids)
         x = self.w("model.embed_tokens.weight")[input_ids]  # (T, H)
         taps: Dict[str, torch.Tensor] = {}
         new_k, new_v = [], []
         for i in range(s.num_layers):
-            p = f"model.layers.{i}."
             taps[f"layer_in.{i}"] = x
-            h = _rms_norm(x, self.w(p + "input_layernorm.weight"), eps)
-            q = self._linear(h, p + "self_attn.q_proj", s.qkv_bias).reshape(t, nh, d)
-            k = self._linear(h, p + "self_attn.k_proj", s.qkv_bias).reshape(t, nkv, d)
-            v = self._linear(h, p + "self_attn.v_proj", s.qkv_bias).reshape(t, nkv, d)
-            if s.qk_norm:
-                q = _rms_norm(q, self.w(p + "self_attn.q_norm.weight"), eps)
-                k = _rms_norm(k, self.w(p + "self_attn.k_norm.weight"), eps)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            x, k, v = self.decoder_layer(f"model.layers.{i}.", x, cos, sin, past_keys[i], past_values[i], attention_mask)
             new_k.append(k)
             new_v.append(v)
-            attn = self._attention(q, k, v, past_keys[i], past_values[i], attention_mask)
-            x = x + self._linear(attn, p + "self_attn.o_proj")
-            h = _rms_norm(x, self.w(p + "post_attention_layernorm.weight"), eps)
-            gate = self._linear(h, p + "mlp.gate_proj")
-            x = x + self._linear(torch.nn.functional.silu(gate) * self._linear(h, p + "mlp.up_proj"), p + "mlp.down_proj")
             taps[f"layer_out.{i}"] = x
-        h = _rms_norm(x, self.w("model.norm.weight"), eps)
+        h = _rms_norm(x, self.w("model.norm.weight"), s.rms_norm_eps)
         taps["final_norm"] = h
         head = self.w("model.embed_tokens.weight") if s.tie_word_embeddings else self.w("lm_head.weight")
         logits = (h @ head.t()).float()  # (T, V)
@@ -187,6 +199,11 @@ def export_decoder_onnx(spec: ModelSpec, weights: Mapping[str, np.ndarray], out_
                                     input_names=input_names(spec.num_layers),
                                     output_names=output_names(taps, spec.num_layers),
                                     dynamic_shapes=dynamic, verbose=False)
+    return save_program(program, out_path)
+
+
+def save_program(program, out_path: str) -> str:
+    """Write a torch.onnx export to `out_path` + `out_path`.data, checked with onnx.checker."""
     # Save through a scratch directory, then re-save with one data file of a fixed name (the bundle
     # lists it). onnx appends to an existing data file, so stale files are removed first.
     data = os.path.basename(out_path) + ".data"
@@ -330,8 +347,8 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
                        validate: bool = True, block_size: int = 32,
                        accuracy_level: Optional[int] = None) -> Tuple[str, ...]:
     """Export the bundle's target (from its numpy_ref safetensors) to ONNX and register it as backend
-    "onnx"; likewise every `draft_model` drafter that has a spec and safetensors. Taps default to every
-    tap the bundle's drafters read, plus final_norm. Returns the new files (relative to the bundle).
+    "onnx"; likewise every `draft_model` drafter that has a spec and safetensors, and every MTP module.
+    Taps default to every tap the bundle's drafters read, plus final_norm. Returns the new files (relative to the bundle).
 
     precision int8 / int4: the target's fp32 graph, weight-only quantised by ONNX Runtime's MatMulNBits
     quantiser (export/onnx_quantize.py, blocks of `block_size`), registered NEXT to the float graph as
@@ -373,10 +390,15 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
             if validate:
                 check_against_reference(f"{bundle_dir}/{grel} ({label})",
                                         validate_onnx(spec, w, staged, gtaps, precision), precision)
+        from export.drafters.mtp_onnx import export_bundle_mtp  # (it builds on this module's blocks)
+        mtp = [] if quantised else [  # MTP modules: their own graphs (export/drafters/mtp_onnx.py)
+            export_bundle_mtp(b, name, d, weights, staging, os.path.join(staging, os.path.basename(rel)), precision,
+                              validate, _safetensors_weights(b, d.files))
+            for name, d in b.drafters.items() if d.kind == "mtp"]
         os.makedirs(os.path.join(bundle_dir, "onnx"), exist_ok=True)
-        for _, grel, *_ in graphs:
-            for suffix in ("", ".data"):
-                os.replace(os.path.join(staging, os.path.basename(grel) + suffix), os.path.join(bundle_dir, grel + suffix))
+        moved = [grel + suffix for _, grel, *_ in graphs for suffix in ("", ".data")] + [f for m in mtp for f in m.files]
+        for f in moved:
+            os.replace(os.path.join(staging, os.path.basename(f)), os.path.join(bundle_dir, f))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     before = _listed_backend_files(writer.manifest)
@@ -392,6 +414,9 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
         else:
             writer.add_drafter_backend(label, "onnx", files, params)
         written += files
+    for m in mtp:
+        writer.add_drafter_backend(m.name, "onnx", m.files, m.params)
+        written += m.files
     # One ONNX entry per model: the files of the entry just replaced (another precision) are removed, as
     # the manifest listed them, so that no orphan graph is left on disk. Nothing unlisted is touched.
     listed = set(writer.manifest.get("files") or {})

@@ -421,7 +421,7 @@ def bundle_cache_shapes(bundle, drafter: str) -> Dict[str, CacheShape]:
     if entry is not None and entry.spec is not None:
         shapes["draft"] = CacheShape(entry.spec.num_layers, entry.spec.num_kv_heads, entry.spec.head_dim)
     if entry is not None and entry.kind == "mtp":
-        shapes["mtp"] = CacheShape(1, spec.num_kv_heads, spec.head_dim)
+        shapes["mtp"] = CacheShape(int(entry.params.get("num_modules", 1)), spec.num_kv_heads, spec.head_dim)
     return shapes
 
 

@@ -127,10 +127,12 @@ def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max
         spec = bundle.target.spec
         embed = np.ascontiguousarray(target_w["model.embed_tokens.weight"], np.float32)
         head = embed if spec.tie_word_embeddings else np.ascontiguousarray(target_w["lm_head.weight"], np.float32)
-        cache = arena.allocate("mtp", mtp_cache_shape(spec), max_positions + num_tokens)
-        return MTPDrafter(spec, weights, embed, head, cache, num_tokens=num_tokens,
+        modules = int(entry.params.get("num_modules", 1))
+        caches = [arena.allocate(f"mtp.{i}", mtp_cache_shape(spec), max_positions + num_tokens) for i in range(modules)]
+        return MTPDrafter(spec, weights, embed, head, caches, num_tokens=num_tokens,
                           layer_index=int(entry.params.get("first_layer_index", spec.num_layers)),
-                          layout=str(entry.params.get("layout", "deepseek_v3")))
+                          layout=str(entry.params.get("layout", "deepseek_v3")),
+                          nets=mtp_graphs(bundle, entry, backend, arena, modules))
     if entry.kind == "medusa":
         spec = bundle.target.spec
         return MedusaDrafter(load_weights(bundle, entry.files), tree=entry.params.get("tree", "chain"),
@@ -150,6 +152,23 @@ def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max
         cache = arena.allocate("draft", cache_shape(entry.spec), max_positions + params.block_size)
         return DFlashDrafter(entry.spec, params, weights, embed, head, cache, source=where)
     raise BundleError(f"drafter kind {entry.kind!r} is not available in this runtime yet")
+
+
+def mtp_graphs(bundle, entry, backend: BackendConfig, arena: KVArena, modules: int):
+    """The MTP modules' ONNX graphs (one per module, in order) when the session runs on ONNX Runtime and the
+    bundle has them; None = run the modules in numpy."""
+    files = entry.backends.get("onnx") if backend.kind == "onnx" else None
+    if files is None:
+        return None
+    if (files.params.get("precision") == "fp16") != (arena.dtype == np.float16):
+        return None  # graphs of the other float precision than this session's KV arena (e.g. an int8 target): numpy
+    from runtime.backends.onnx_net import OnnxNet
+    graphs = [f for f in files.files if f.endswith(".onnx")]
+    if len(graphs) != modules:
+        raise BundleError(f"{bundle.path('bundle.yaml')}: drafters.mtp.backends.onnx lists {len(graphs)} graphs for "
+                          f"{modules} modules; re-export with `edgespec export --to onnx --bundle {bundle.root}`")
+    return [OnnxNet(bundle.path(g), backend.providers, backend.threads, label=f"MTP module {i}")
+            for i, g in enumerate(graphs)]
 
 
 def build_eagle(name: str, entry, bundle, arena: KVArena, max_positions: int, num_tokens: int, branching: int,

@@ -1,18 +1,30 @@
-"""The target's own MTP module (DeepSeek-V3 layout) as a drafter.
+"""The target's own MTP modules (DeepSeek-V3 layout and two others) as a drafter.
 
-    h'_t  = eh_proj(concat[enorm(emb(x_{t+1})), hnorm(h_t)])    embedding first; h_t = target's last layer
-    h''_t = decoder_layer(h'_t) at rotary position t             output BEFORE the final norm
-    q(x_{t+2}) = head(shared_head.norm(h''_t))                    head and embedding are the target's
+Module i (0-based) at position t, reading the previous module's output (the target's last layer for i = 0):
 
-The module has its own one-layer KV cache (in the shared arena): row t holds (h_t, x_{t+1}). For a
-chain deeper than one token the module is reused autoregressively on its own output h''_t, as MTP
-runtimes do when asked for more draft tokens than the model has modules; those rows are temporary.
+    h^i'_t  = proj(concat[emb_norm(emb(x_{t+1+i})), hidden_norm(h^{i-1}_t)])    embedding first; h^{-1} = target
+    h^i_t   = decoder_layer_i(h^i'_t) at rotary position t                     output BEFORE the out norm
+    q(x_{t+2+i}) = head(out_norm(h^i_t))                                        head and embedding are the target's
 
-Three checkpoint layouts name the same module (`MTP_LAYOUTS`; the decoder layer keys follow the target family):
-  deepseek_v3  model.layers.{N}.{enorm, hnorm, eh_proj, shared_head.norm, [shared_head.head]}  concat [emb, hidden]
-  qwen3_next   mtp.{pre_fc_norm_embedding, pre_fc_norm_hidden, fc, norm}, layer at mtp.layers.0   concat [emb, hidden]
-  mimo         model.mtp_layers.0.{token_layernorm, hidden_layernorm, input_proj, final_layernorm} concat [hidden, emb]
-(only module 0 of a checkpoint with several is used, reused autoregressively for deeper drafts)."""
+Draft depth j uses module j (k modules, k tokens); asked for more tokens than it has modules, the drafter
+reuses the last module autoregressively on its own output h at the next position, as MTP runtimes do.
+
+Each module has its own one-layer KV cache (in the shared arena). Row t of module i holds (h^{i-1}_t, x_{t+1+i}),
+so with n committed tokens module i has rows t <= n-2-i committed; drafting writes its rows n-1-i .. n-2 (they
+read drafted tokens) as temporary rows, dropped at `accept` like the autoregressive ones. Example, k = 2,
+committed x_0..x_9 (n = 10), the root x_9 not yet run by the target:
+    module 0 runs rows ..8 (h_8, x_9)                        -> draft d1 = x_10
+    module 1 runs rows ..7 (h^0_7, x_9) committed, row 8 (h^0_8, d1) temporary -> d2 = x_11
+    module 1 again at position 9 on (h^1_8, d2)                -> d3 (autoregressive reuse)
+
+A module runs in numpy (the oracle) or, when the bundle has its graph and the session runs on ONNX Runtime,
+as that graph (export/drafters/mtp_onnx.py: hidden + next tokens + its own past K/V -> logits of the last
+row, output hidden, new K/V rows, which the drafter writes into its cache rows itself).
+
+Three checkpoint layouts name the modules (`MTP_LAYOUTS`; the decoder layer keys follow the target family):
+  deepseek_v3  model.layers.{N+i}.{enorm, hnorm, eh_proj, shared_head.norm, [shared_head.head]}  concat [emb, hidden]
+  qwen3_next   mtp.{pre_fc_norm_embedding, pre_fc_norm_hidden, fc, norm}, layer at mtp.layers.{i}  concat [emb, hidden]
+  mimo         model.mtp_layers.{i}.{token_layernorm, hidden_layernorm, input_proj, final_layernorm} concat [hidden, emb]"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,14 +41,26 @@ from runtime.model_spec import ModelSpec
 from runtime.sampling import process_logits, sample
 from runtime.tree import DraftTree, empty_tree
 
+# The graph of one module (export/drafters/mtp_onnx.py); T new rows, P past rows of the module's own cache.
+GRAPH_INPUTS = ("hidden",  # float32 (T, H): the previous module's (or the target's) output h_t
+                "input_ids",  # int64 (T,): x_{t+1+i}
+                "position_ids",  # int64 (T,)
+                "attention_mask",  # float32 (T, P+T) additive
+                "past_key", "past_value")  # kv (P, nkv, d)
+GRAPH_OUTPUTS = ("logits",  # float32 (1, V): the last row's
+                 "hidden_out",  # float32 (T, H): this module's output h^i_t (before its out norm)
+                 "new_key", "new_value")  # kv (T, nkv, d)
+
 
 def mtp_cache_shape(spec: ModelSpec) -> CacheShape:
+    """One module's cache: one layer of the target's shape."""
     return CacheShape(1, spec.num_kv_heads, spec.head_dim)
 
 
 @dataclass(frozen=True)
 class MTPLayout:
-    """Where one MTP module's tensors live in a checkpoint ({n}: the module's layer index, DeepSeek-V3 only)."""
+    """Where module i's tensors live in a checkpoint ({n}: the module's layer index N+i for DeepSeek-V3, its
+    index i for the others; `prefix` without {n} = tensors shared by all modules)."""
     prefix: str  # of the module's own tensors
     layer: str  # of its decoder layer
     emb_norm: str
@@ -45,6 +69,7 @@ class MTPLayout:
     out_norm: str  # before the (shared) head
     head: Optional[str]  # the module's own head, if the layout may carry one
     hidden_first: bool  # concat order: [hidden, emb] (MiMo) instead of [emb, hidden]
+    numbered_by_layer: bool  # {n} counts target layers (DeepSeek-V3), not modules
 
     def names(self, n: int) -> Dict[str, str]:
         p, lp = self.prefix.format(n=n), self.layer.format(n=n)
@@ -57,126 +82,210 @@ class MTPLayout:
 
 MTP_LAYOUTS = {
     "deepseek_v3": MTPLayout("model.layers.{n}.", "model.layers.{n}.", "enorm.weight", "hnorm.weight",
-                             "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight", False),
-    "qwen3_next": MTPLayout("mtp.", "mtp.layers.0.", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight",
-                            "fc.weight", "norm.weight", None, False),
-    "mimo": MTPLayout("model.mtp_layers.0.", "model.mtp_layers.0.", "token_layernorm.weight", "hidden_layernorm.weight",
-                      "input_proj.weight", "final_layernorm.weight", None, True),
+                             "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight", False, True),
+    "qwen3_next": MTPLayout("mtp.", "mtp.layers.{n}.", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight",
+                            "fc.weight", "norm.weight", None, False, False),
+    "mimo": MTPLayout("model.mtp_layers.{n}.", "model.mtp_layers.{n}.", "token_layernorm.weight",
+                      "hidden_layernorm.weight", "input_proj.weight", "final_layernorm.weight", None, True, False),
 }
+
+
+def module_keys(layout: str, index: int, first_layer_index: int) -> Dict[str, str]:
+    """The checkpoint keys of module `index` (0-based) in `layout`."""
+    if layout not in MTP_LAYOUTS:
+        raise BundleError(f"MTP module: layout {layout!r} unknown; expected one of {sorted(MTP_LAYOUTS)}")
+    lay = MTP_LAYOUTS[layout]
+    return lay.names(first_layer_index + index if lay.numbered_by_layer else index)
+
+
+class MTPModule:
+    """One module's weights, its KV cache rows and (optionally) its ONNX graph."""
+
+    def __init__(self, spec: ModelSpec, weights: Mapping[str, np.ndarray], keys: Dict[str, str], layout: str,
+                 cache: KVCache, embed: np.ndarray, head: np.ndarray, net=None):
+        p = keys["layer"]
+        own = [keys[k] for k in ("emb_norm", "hidden_norm", "proj", "out_norm")]
+        missing = [k for k in own + decoder_layer_weight_names(p, spec) if k not in weights]
+        if missing:
+            raise BundleError(f"MTP module: missing weights {missing[:3]}; expected {layout} keys ({own[0]}, ...)")
+        proj = np.asarray(weights[keys["proj"]])
+        h = spec.hidden_size
+        if proj.shape != (h, 2 * h):
+            raise BundleError(f"MTP module: {keys['proj']} has shape {proj.shape}, expected ({h}, {2 * h})")
+        if MTP_LAYOUTS[layout].hidden_first:  # store [emb, hidden] columns: one concat order below
+            proj = np.concatenate([proj[:, h:], proj[:, :h]], axis=1)
+        self.prefix = p
+        self.spec = spec
+        self.embed = embed
+        self.inv_freq = rope_inv_freq(spec)
+        self.cache = cache
+        self.net = net
+        if net is not None:  # the graph holds the weights: no float32 copies kept beside it
+            net.require(GRAPH_INPUTS, GRAPH_OUTPUTS)
+            return
+        self.w = {k: np.ascontiguousarray(weights[k], dtype=np.float32) for k in decoder_layer_weight_names(p, spec)}
+        self.norms = {k: np.ascontiguousarray(weights[keys[k]], np.float32) for k in ("emb_norm", "hidden_norm", "out_norm")}
+        self.proj = np.ascontiguousarray(proj, np.float32)  # (H, 2H), columns [emb, hidden]
+        own_head = weights.get(keys.get("head", ""))
+        self.head = np.ascontiguousarray(own_head, np.float32) if own_head is not None else head
+
+    @property
+    def weight_bytes(self) -> int:
+        if self.net is not None:
+            return self.net.weight_bytes
+        return sum(a.nbytes for a in self.w.values()) + self.proj.nbytes + sum(a.nbytes for a in self.norms.values())
+
+    def run(self, hidden: np.ndarray, next_tokens: Sequence[int], start_pos: int):
+        """Rows at positions start_pos.. appended to the cache -> (output hidden (T, H), logits of the last row (V,))."""
+        t = hidden.shape[0]
+        start = self.cache.length
+        self.cache.check_room(t)
+        if self.net is not None:
+            out, logits = self._run_graph(hidden, next_tokens, start_pos, start)
+        else:
+            out, logits = self._run_numpy(hidden, next_tokens, start_pos, start)
+        self.cache.length = start + t
+        return out, logits
+
+    def _run_numpy(self, hidden, next_tokens, start_pos, start):
+        spec, norms = self.spec, self.norms
+        e = rms_norm(self.embed[np.asarray(next_tokens)], norms["emb_norm"], spec.rms_norm_eps)
+        h = rms_norm(hidden, norms["hidden_norm"], spec.rms_norm_eps)
+        x = np.concatenate([e, h], axis=-1) @ self.proj.T  # (T, H)
+        t = x.shape[0]
+        cos, sin = rope_cos_sin(self.inv_freq, np.arange(start_pos, start_pos + t))
+        out = decoder_layer(self.w, self.prefix, spec, x, cos, sin, self.cache.k[:, 0], self.cache.v[:, 0], start,
+                            causal_mask(start, t))
+        return out, rms_norm(out[-1], norms["out_norm"], spec.rms_norm_eps) @ self.head.T
+
+    def _run_graph(self, hidden, next_tokens, start_pos, start):
+        t = hidden.shape[0]
+        mask = np.zeros((t, start + t), np.float32)  # causal over the new rows, all of the past
+        if t > 1:
+            mask[:, start:][np.triu_indices(t, 1)] = -np.inf
+        k, v = self.cache.k[:, 0], self.cache.v[:, 0]  # (max_pos, nkv, d): rows [0, start) are one block
+        got = self.net.run({"hidden": np.asarray(hidden, np.float32),
+                            "input_ids": np.asarray(next_tokens, np.int64),
+                            "position_ids": np.arange(start_pos, start_pos + t, dtype=np.int64),
+                            "attention_mask": mask, "past_key": k[:start], "past_value": v[:start]})
+        k[start:start + t] = got["new_key"]
+        v[start:start + t] = got["new_value"]
+        return got["hidden_out"], got["logits"][-1]
 
 
 class MTPDrafter(Drafter):
     kind = "mtp"
 
     def __init__(self, spec: ModelSpec, weights: Mapping[str, np.ndarray], embed: np.ndarray, head: np.ndarray,
-                 cache: KVCache, num_tokens: int = 2, layer_index: Optional[int] = None, layout: str = "deepseek_v3"):
-        if layout not in MTP_LAYOUTS:
-            raise BundleError(f"MTP module: layout {layout!r} unknown; expected one of {sorted(MTP_LAYOUTS)}")
-        n = spec.num_layers if layer_index is None else layer_index
-        keys = MTP_LAYOUTS[layout].names(n)
-        p = keys["layer"]
-        own = [keys[k] for k in ("emb_norm", "hidden_norm", "proj", "out_norm")]
-        names = own + decoder_layer_weight_names(p, spec)
-        missing = [k for k in names if k not in weights]
-        if missing:
-            raise BundleError(f"MTP module: missing weights {missing[:3]}; expected {layout} keys ({own[0]}, ...)")
-        proj = np.asarray(weights[keys["proj"]])
-        if proj.shape != (spec.hidden_size, 2 * spec.hidden_size):
-            raise BundleError(f"MTP module: {keys['proj']} has shape {proj.shape}, expected "
-                              f"({spec.hidden_size}, {2 * spec.hidden_size})")
-        if MTP_LAYOUTS[layout].hidden_first:  # store [emb, hidden] columns: one concat order below
-            proj = np.concatenate([proj[:, spec.hidden_size:], proj[:, :spec.hidden_size]], axis=1)
-        self.w = {k: np.ascontiguousarray(weights[k], dtype=np.float32) for k in decoder_layer_weight_names(p, spec)}
-        self.norms = {k: np.ascontiguousarray(weights[keys[k]], np.float32) for k in ("emb_norm", "hidden_norm", "out_norm")}
-        self.proj = np.ascontiguousarray(proj, np.float32)  # (H, 2H), columns [emb, hidden]
-        self.prefix = p
+                 caches: Sequence[KVCache], num_tokens: int = 2, layer_index: Optional[int] = None,
+                 layout: str = "deepseek_v3", nets: Optional[Sequence] = None):
+        """caches: one per module (len = the number of modules); nets: one ONNX graph (OnnxNet) per module, or None."""
+        if isinstance(caches, KVCache):
+            caches = [caches]
+        first = spec.num_layers if layer_index is None else layer_index
+        if nets is not None and len(nets) != len(caches):
+            raise BundleError(f"MTP: {len(nets)} module graphs for {len(caches)} modules; re-export the ONNX graphs")
+        self.modules = [MTPModule(spec, weights, module_keys(layout, i, first), layout, c, embed, head,
+                                  None if nets is None else nets[i]) for i, c in enumerate(caches)]
         self.layout = layout
         self.spec = spec
-        self.embed = embed
-        own_head = weights.get(keys.get("head", ""))
-        self.head = np.ascontiguousarray(own_head, np.float32) if own_head is not None else head
-        self.inv_freq = rope_inv_freq(spec)
-        self.cache = cache
         self.k = num_tokens
         self.target_taps = (f"layer_out.{spec.num_layers - 1}",)
-        self.committed_rows = 0  # MTP cache rows that belong to committed tokens
-        self.pending: List[np.ndarray] = []  # target hidden states h_t not yet run through the module
+        self.rows = [0] * len(self.modules)  # committed cache rows of each module
+        # per module: its input hiddens not yet run, from its first uncommitted row on (module 0: the target's)
+        self.pending: List[List[np.ndarray]] = [[] for _ in self.modules]
+
+    @property
+    def backend(self) -> str:
+        return "onnx" if self.modules[0].net is not None else "numpy"
 
     @property
     def memory_bytes(self) -> int:
-        return sum(a.nbytes for a in self.w.values()) + self.proj.nbytes + sum(a.nbytes for a in self.norms.values())
+        return sum(m.weight_bytes for m in self.modules)
+
+    @property
+    def committed_rows(self) -> int:
+        return self.rows[0]
 
     def reset(self) -> None:
-        self.cache.reset()
-        self.committed_rows = 0
-        self.pending = []
+        for m in self.modules:
+            m.cache.reset()
+        self.rows = [0] * len(self.modules)
+        self.pending = [[] for _ in self.modules]
 
     def begin(self, prompt: Sequence[int], taps: Dict[str, np.ndarray], start: int = 0) -> None:
         new = list(taps[self.target_taps[0]])  # h_t for t = start .. len(prompt) - 1
         if not start:
             self.reset()
-            self.pending = new
+            self.pending[0] = new
             return
-        # The target kept rows [0, start) (see reusable_prefix): keep module rows t < m (row t holds x_{t+1},
-        # which is a kept token for t < start) and take h_t for t in [m, start) from what was pending.
-        m = min(self.committed_rows, start)
-        self.cache.keep(m, [])
-        self.pending = self.pending[:start - m] + new
-        self.committed_rows = m
+        # One module only (reusable_prefix is 0 with more). The target kept rows [0, start): keep module rows
+        # t < m (row t holds x_{t+1}, a kept token for t < start) and take h_t for t in [m, start) from pending.
+        m = min(self.rows[0], start)
+        self.modules[0].cache.keep(m, [])
+        self.pending[0] = self.pending[0][:start - m] + new
+        self.rows[0] = m
 
     def reusable_prefix(self, n: int) -> int:
         """Module row t holds (h_t, x_{t+1}): with n target rows kept, rows t <= n - 2 stay valid. The module
         then needs h_t from its first row on: when its committed rows end before n - 1, the h_t still pending
         from the last request (target rows it has not run yet, all in the kept prefix) carry it as far as
-        they go; otherwise it keeps n - 1 rows and the target reruns position n - 1 for its h."""
-        if self.committed_rows <= n - 1:
-            return min(n, self.committed_rows + len(self.pending))
+        they go; otherwise it keeps n - 1 rows and the target reruns position n - 1 for its h. With several
+        modules (each one row behind the previous) nothing is kept."""
+        if len(self.modules) > 1:
+            return 0
+        if self.rows[0] <= n - 1:
+            return min(n, self.rows[0] + len(self.pending[0]))
         return max(0, n - 1)
 
-    def _run(self, hidden: np.ndarray, next_tokens: Sequence[int], start_pos: int):
-        """Module rows at positions start_pos.. -> (output hidden h'' (T, H), logits of the last row)."""
-        w, p, spec, norms = self.w, self.prefix, self.spec, self.norms
-        e = rms_norm(self.embed[np.asarray(next_tokens)], norms["emb_norm"], spec.rms_norm_eps)
-        h = rms_norm(hidden, norms["hidden_norm"], spec.rms_norm_eps)
-        x = np.concatenate([e, h], axis=-1) @ self.proj.T  # (T, H)
-        t = x.shape[0]
-        start = self.cache.length
-        self.cache.check_room(t)
-        cos, sin = rope_cos_sin(self.inv_freq, np.arange(start_pos, start_pos + t))
-        out = decoder_layer(w, p, spec, x, cos, sin, self.cache.k[:, 0], self.cache.v[:, 0], start,
-                            causal_mask(start, t))
-        self.cache.length = start + t
-        logits = rms_norm(out[-1], norms["out_norm"], spec.rms_norm_eps) @ self.head.T
-        return out, logits
-
     def propose(self, ctx: DraftContext) -> DraftTree:
-        tokens = ctx.tokens
-        self.cache.keep(self.committed_rows, [])
-        first = self.committed_rows
-        hidden = np.stack(self.pending)  # rows first .. len(tokens)-2: (h_t, x_{t+1})
-        out, logits = self._run(hidden, tokens[first + 1:first + 1 + len(hidden)], first)
-        self.committed_rows += len(hidden)
-        self.pending = []
-        depth = min(self.k, ctx.max_nodes, self.cache.max_positions - self.cache.length + 1)
+        tokens = list(ctx.tokens)
+        n = len(tokens)
+        for m, r in zip(self.modules, self.rows):
+            m.cache.keep(r, [])
+        last = self.modules[-1].cache
+        depth = min(self.k, ctx.max_nodes, last.max_positions - (n - 1) + len(self.modules))
         drafted: List[int] = []
         qs = []
-        h_last = out[-1:]
-        for d in range(depth):
-            q = process_logits(logits, ctx.params, list(tokens) + drafted, ctx.mask(drafted))
+        temp: List[np.ndarray] = []  # the previous module's outputs at its temporary rows
+        h_last = None
+        for j in range(depth):
+            seq = tokens + drafted
+            if j < len(self.modules):
+                out, logits, temp = self._run_module(j, seq, temp, n)
+                h_last = out[-1:]
+            else:  # the last module again, on its own output at the next position (a temporary row)
+                h_last, logits = self.modules[-1].run(h_last, [drafted[-1]], n - 2 + j - len(self.modules) + 1)
+                h_last = h_last[-1:]
+            q = process_logits(logits, ctx.params, seq, ctx.mask(drafted))
             x = int(np.argmax(q)) if ctx.params.greedy else sample(q, ctx.rng)
             drafted.append(x)
             qs.append(q)
-            if d + 1 < depth:  # feed the module its own output for the next position (temporary rows)
-                h_last, logits = self._run(h_last, [x], len(tokens) - 1 + d + 1)
-                h_last = h_last[-1:]
         if not drafted:
             return empty_tree()
         greedy = ctx.params.greedy
         return DraftTree(tokens=np.asarray(drafted, np.int64), parents=np.arange(-1, len(drafted) - 1, dtype=np.int64),
                          q=None if greedy else np.stack(qs), deterministic=np.full(len(drafted), greedy))
 
+    def _run_module(self, i: int, seq: Sequence[int], temp: List[np.ndarray], n: int):
+        """Module i over its rows r .. n-2 (r: its committed rows; seq = committed tokens + the i drafted):
+        rows t <= n-2-i read committed tokens and stay, the rest are temporary. Its committed outputs become
+        module i+1's pending inputs. -> (outputs (T, H), logits of row n-2, outputs of the temporary rows)."""
+        r = self.rows[i]
+        inputs = self.pending[i] + temp  # h^{i-1}_t for t = r .. n-2
+        if len(inputs) != n - 1 - r:
+            raise RuntimeError(f"MTP module {i}: {len(inputs)} input rows for positions {r}..{n - 2}")
+        out, logits = self.modules[i].run(np.stack(inputs), seq[r + 1 + i:n + i], r)
+        commit = max(0, n - 1 - i - r)
+        if i + 1 < len(self.modules):
+            self.pending[i + 1] += list(out[:commit])
+        self.pending[i] = self.pending[i][commit:]
+        self.rows[i] = r + commit
+        return out, logits, list(out[commit:])
+
     def accept(self, accepted_nodes, committed, taps) -> None:
-        self.cache.keep(self.committed_rows, [])  # drop the temporary rows of the chain
-        # append: `propose` empties pending, but a cycle that verified no tree (one token left) did not run
-        # the module over the previous cycle's rows, and those must not be lost
-        self.pending = self.pending + list(taps[self.target_taps[0]])
+        for m, r in zip(self.modules, self.rows):
+            m.cache.keep(r, [])  # drop the temporary rows of the chain
+        # append: `propose` consumes pending, but a cycle that verified no tree (one token left) did not run
+        # the modules over the previous cycle's rows, and those must not be lost
+        self.pending[0] = self.pending[0] + list(taps[self.target_taps[0]])
