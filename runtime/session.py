@@ -38,6 +38,8 @@ from runtime.prompts import (ACTION_CHUNK, ZOO_PROMPTS, action_prompt, parse_pla
 from runtime.sampling import SamplingParams
 from runtime.templates import PromptFormat
 from runtime.tokenizer import StreamDecoder, Tokenizer
+from runtime.verify import verify_sampled
+from runtime.verify_typical import lossy_verifier
 
 DRAFTER_CHOICES = ("none", "ngram", "draft_model")
 
@@ -285,8 +287,11 @@ class Session:
         self.drafter_kind = name
         self.backend_name = backend.kind
         self.prompts = prompt_format(b, self.tokenizer)
+        # decoding.lossy_typical_acceptance: the one LOSSY option, asked for by name (sampled requests only)
+        verifier = (lossy_verifier(config.decoding.typical_epsilon, config.decoding.typical_delta)
+                    if config.decoding.lossy_typical_acceptance else verify_sampled)
         self.engine = Engine(self.target, self.drafter, eos_ids(b, self.prompts, self.tokenizer),
-                             prefix_cache=config.memory.prefix_cache)
+                             sampled_verifier=verifier, prefix_cache=config.memory.prefix_cache)
         self._actions: Optional[ActionTokenizer] = None
         self._grammar_tokenizer: Optional[GrammarTokenizer] = None
         self._grammars: Dict[tuple, Grammar] = {}  # compiled grammars by (kind, text), the most recent few
