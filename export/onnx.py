@@ -42,6 +42,7 @@ import onnx
 import torch
 from torch import nn
 
+from export.drafters.medusa_onnx import export_medusa_graphs
 from export.onnx_quantize import ACCURACY_LEVEL, BITS, quantize_graph
 from runtime import bundle as bundle_mod
 from runtime.backends.base import parse_tap
@@ -354,7 +355,7 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
     graphs = [("target", rel, b.target.spec, weights, tuple(taps))]
     for name, d in b.drafters.items():
         if quantised or d.kind != "draft_model" or d.spec is None:
-            continue  # MTP / EAGLE / Medusa / DFlash graphs join here as their modules land
+            continue  # Medusa graphs: export_medusa_graphs below; MTP / EAGLE / DFlash join as their modules land
         dw = _safetensors_weights(b, d.files)
         if dw:
             graphs.append((name, f"onnx/drafter.{name}.{precision}.onnx", d.spec, dw, ()))
@@ -373,8 +374,9 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
             if validate:
                 check_against_reference(f"{bundle_dir}/{grel} ({label})",
                                         validate_onnx(spec, w, staged, gtaps, precision), precision)
+        medusa = export_medusa_graphs(b, staging, precision, validate)  # [(drafter, graph, params)], fp32 only
         os.makedirs(os.path.join(bundle_dir, "onnx"), exist_ok=True)
-        for _, grel, *_ in graphs:
+        for grel in sorted({g[1] for g in graphs} | {m[1] for m in medusa}):
             for suffix in ("", ".data"):
                 os.replace(os.path.join(staging, os.path.basename(grel) + suffix), os.path.join(bundle_dir, grel + suffix))
     finally:
@@ -392,6 +394,9 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
         else:
             writer.add_drafter_backend(label, "onnx", files, params)
         written += files
+    for name, grel, params in medusa:  # medusa and medusa_chain share one graph
+        writer.add_drafter_backend(name, "onnx", [grel, grel + ".data"], params)
+        written += [f for f in (grel, grel + ".data") if f not in written]
     # One ONNX entry per model: the files of the entry just replaced (another precision) are removed, as
     # the manifest listed them, so that no orphan graph is left on disk. Nothing unlisted is touched.
     listed = set(writer.manifest.get("files") or {})

@@ -19,6 +19,7 @@ from runtime import memory
 from runtime.actions import ActionTokenizer
 from runtime.backends.factory import load_weights, open_model, resolve_backend
 from runtime.backends.numpy_ref import cache_shape
+from runtime.backends.onnx_net import OnnxNet
 from runtime.blas import set_blas_threads
 from runtime.bundle import BackendFiles
 from runtime.config import BackendConfig, RuntimeConfig
@@ -135,9 +136,11 @@ def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max
                           layout=str(entry.params.get("layout", "deepseek_v3")))
     if entry.kind == "medusa":
         spec = bundle.target.spec
+        graph = entry.backends.get("onnx") if backend.kind == "onnx" else None  # else the numpy heads
+        net = OnnxNet(bundle.path(graph.files[0]), backend.providers, backend.threads, f"drafter {name}") if graph else None
         return MedusaDrafter(load_weights(bundle, entry.files), tree=entry.params.get("tree", "chain"),
                              num_tokens=num_tokens, source=f"{bundle.root}: drafters.{name}",
-                             hidden=spec.hidden_size, vocab=spec.vocab_size)
+                             hidden=spec.hidden_size, vocab=spec.vocab_size, net=net)
     if entry.kind in ("dflash", "dflash2"):
         where = f"{bundle.path('bundle.yaml')}: drafters.{name}"
         if entry.spec is None:
