@@ -6,9 +6,10 @@ A drafted token x is accepted where the target's row p says it is "typical enoug
     p(x) > min(epsilon, delta * exp(-H(p)))          H(p) = -sum p log p  (nats)
 
 (Medusa, Cai et al. 2024, section 2.3.1; FasterDecoding/Medusa `evaluate_posterior`, defaults
-posterior_threshold = epsilon = 0.09, posterior_alpha = delta = 0.3). In a tree the longest path whose nodes all
-pass is kept (ties: the larger sum of log p(x)), then the next token is drawn from the target's row after that
-path. No coin is tossed against a proposal and no residual is taken, so the emitted law is NOT the target's:
+posterior_threshold = epsilon = 0.09, posterior_alpha = delta = 0.3; its code takes log(p + 1e-5) in H, here H
+is exact, over the target's processed row: temperature, top-k/p, masks applied). In a tree the longest path whose
+nodes all pass is kept (ties: the larger sum of log p(x)), then the next token is drawn from the target's row
+after that path. No coin is tossed against a proposal and no residual is taken, so the emitted law is NOT the target's:
 a plausible drafted token is always kept, and after a rejection p is sampled whole (it may draw the very token
 just rejected). It buys acceptance at high temperature at the price of exactness; `edgespec certify` refuses it.
 Greedy requests (temperature 0) never use it: they keep `verify_greedy`, exact.
@@ -42,7 +43,7 @@ def typical_threshold(p: np.ndarray, epsilon: float = EPSILON, delta: float = DE
 def typical_accepts(p: np.ndarray, token: int, epsilon: float = EPSILON, delta: float = DELTA) -> bool:
     """Whether typical acceptance keeps `token` against the target row `p` (strictly above the threshold).
 
-    Example: p = (0.5, 0.42, 0.08): H = 0.90, threshold min(0.09, 0.3 * 0.41) = 0.09 -> token 1 kept (0.42),
+    Example: p = (0.5, 0.42, 0.08): H = 0.91, threshold min(0.09, 0.3 * 0.40) = 0.09 -> token 1 kept (0.42),
     token 2 not (0.08)."""
     return float(np.asarray(p)[token]) > typical_threshold(p, epsilon, delta)
 
