@@ -42,6 +42,7 @@ import onnx
 import torch
 from torch import nn
 
+from export.drafters.medusa_onnx import export_medusa_graphs
 from export.onnx_quantize import ACCURACY_LEVEL, BITS, quantize_graph
 from runtime import bundle as bundle_mod
 from runtime.backends.base import parse_tap
@@ -371,7 +372,7 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
     graphs = [("target", rel, b.target.spec, weights, tuple(taps))]
     for name, d in b.drafters.items():
         if quantised or d.kind != "draft_model" or d.spec is None:
-            continue  # MTP / EAGLE / Medusa / DFlash graphs join here as their modules land
+            continue  # Medusa graphs: export_medusa_graphs below; MTP / EAGLE / DFlash join as their modules land
         dw = _safetensors_weights(b, d.files)
         if dw:
             graphs.append((name, f"onnx/drafter.{name}.{precision}.onnx", d.spec, dw, ()))
@@ -391,13 +392,19 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
                 check_against_reference(f"{bundle_dir}/{grel} ({label})",
                                         validate_onnx(spec, w, staged, gtaps, precision), precision)
         from export.drafters.mtp_onnx import export_bundle_mtp  # (it builds on this module's blocks)
-        mtp = [] if quantised else [  # MTP modules: their own graphs (export/drafters/mtp_onnx.py)
-            export_bundle_mtp(b, name, d, weights, staging, os.path.join(staging, os.path.basename(rel)), precision,
-                              validate, _safetensors_weights(b, d.files))
-            for name, d in b.drafters.items() if d.kind == "mtp"]
+
+        target_graph = os.path.join(staging, os.path.basename(rel))
+        # Drafter graphs other than draft models: (drafter, files, params) each, written into staging and checked.
+        extra = [] if quantised else [  # MTP modules: their own graphs (export/drafters/mtp_onnx.py)
+            (m.name, m.files, m.params) for m in (
+                export_bundle_mtp(b, name, d, weights, staging, target_graph, precision, validate,
+                                  _safetensors_weights(b, d.files))
+                for name, d in b.drafters.items() if d.kind == "mtp")]
+        extra += [(name, [grel, grel + ".data"], params)  # medusa and medusa_chain share one graph; fp32 only
+                  for name, grel, params in export_medusa_graphs(b, staging, precision, validate)]
         os.makedirs(os.path.join(bundle_dir, "onnx"), exist_ok=True)
-        moved = [grel + suffix for _, grel, *_ in graphs for suffix in ("", ".data")] + [f for m in mtp for f in m.files]
-        for f in moved:
+        moved = {grel + suffix for _, grel, *_ in graphs for suffix in ("", ".data")} | {f for e in extra for f in e[1]}
+        for f in sorted(moved):
             os.replace(os.path.join(staging, os.path.basename(f)), os.path.join(bundle_dir, f))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -414,9 +421,9 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
         else:
             writer.add_drafter_backend(label, "onnx", files, params)
         written += files
-    for m in mtp:
-        writer.add_drafter_backend(m.name, "onnx", m.files, m.params)
-        written += m.files
+    for name, files, params in extra:
+        writer.add_drafter_backend(name, "onnx", files, params)
+        written += [f for f in files if f not in written]
     # One ONNX entry per model: the files of the entry just replaced (another precision) are removed, as
     # the manifest listed them, so that no orphan graph is left on disk. Nothing unlisted is touched.
     listed = set(writer.manifest.get("files") or {})

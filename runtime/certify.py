@@ -16,10 +16,11 @@ import numpy as np
 
 from runtime.backends.base import ForwardResult
 from runtime.engine import Engine, StopCheck
+from runtime.errors import ConfigError
 from runtime.sampling import SamplingParams, process_logits, sample
 from runtime.siblings import Siblings
 from runtime.stat_tests import chi_square_gof
-from runtime.verify import VerifyResult, residual, verify_sampled
+from runtime.verify import VerifyResult, residual
 
 
 def dedup_siblings(q: np.ndarray, width: int, rng: np.random.Generator, exclude: Sequence[int] = ()) -> Siblings:
@@ -341,17 +342,25 @@ def choose_contexts(session, seeds: Sequence[Tuple[str, str]], params: SamplingP
     return chosen
 
 
+LOSSY_REFUSAL = ("decoding.lossy_typical_acceptance: typical acceptance is a LOSSY rule (it changes the output "
+                 "distribution by design); certify proves exactness and refuses it. Turn the option off (drop "
+                 "--lossy-typical-acceptance) to certify the exact rule")
+
+
 def certify(session, contexts: Sequence, params: SamplingParams, draws: int = 20000, alpha: float = 1e-3,
             seed: int = 0, verifier: Optional[Callable] = None, sibling_rule: Optional[Callable] = None,
             progress: Optional[Callable[[ContextResult], None]] = None) -> List[ContextResult]:
     """Run `certify_context` on each context (a text, or a (label, token ids) pair from `choose_contexts`).
     `verifier` / `sibling_rule` replace the verification rule / the drafter's sibling rule for this call
     only: power controls that feed a wrong rule and must be rejected."""
+    if getattr(session.engine.sampled_verifier, "lossy", False):
+        raise ConfigError(LOSSY_REFUSAL)
     target = memoise_session(session)
     eos, session.engine.eos = session.engine.eos, set()  # EOS is one more outcome here, not the end of the draw
     drafter = session.drafter
     if sibling_rule is not None:
         drafter.sibling_rule = sibling_rule
+    configured = session.engine.sampled_verifier
     if verifier is not None:
         session.engine.sampled_verifier = verifier
     results = []
@@ -364,7 +373,7 @@ def certify(session, contexts: Sequence, params: SamplingParams, draws: int = 20
                 progress(res)
     finally:
         session.engine.eos = eos
-        session.engine.sampled_verifier = verify_sampled
+        session.engine.sampled_verifier = configured
         if sibling_rule is not None:
             del drafter.sibling_rule
     return results

@@ -59,6 +59,17 @@ class DrafterConfig:
 
 
 @dataclass(frozen=True)
+class DecodingConfig:
+    lossy_typical_acceptance: bool = limits(
+        False, doc="LOSSY: accept sampled drafts by Medusa's typical acceptance (runtime/verify_typical.py) instead "
+                   "of exact rejection sampling; changes the output distribution; greedy stays exact; certify refuses it")
+    typical_epsilon: float = limits(0.09, min=0.0, max=1.0,
+                                    doc="typical acceptance: the hard threshold (Medusa's posterior_threshold)")
+    typical_delta: float = limits(0.3, min=0.0, max=1.0,
+                                  doc="typical acceptance: the entropy-scaled threshold (Medusa's posterior_alpha)")
+
+
+@dataclass(frozen=True)
 class GenerationConfig:
     max_tokens: int = limits(128, min=1, max=1 << 20)
     temperature: float = limits(0.0, min=0.0, max=100.0)
@@ -76,6 +87,7 @@ class RuntimeConfig:
     backend: BackendConfig = BackendConfig()
     drafter: DrafterConfig = DrafterConfig()
     memory: MemoryConfig = MemoryConfig()
+    decoding: DecodingConfig = DecodingConfig()
     generation: GenerationConfig = GenerationConfig()
 
 

@@ -97,7 +97,8 @@ class Engine:
         self.target = target
         self.drafter = drafter
         self.eos = set(int(e) for e in eos_ids)
-        # Replaceable only so that `certify` can prove it catches a wrong rule; always verify_sampled in use.
+        # verify_sampled (exact) unless the config asks for the LOSSY typical acceptance by name; `certify`
+        # swaps in wrong rules to prove it catches them, and refuses a lossy one.
         self.sampled_verifier = sampled_verifier
         self.prefix_cache = prefix_cache
         self._cached: List[int] = []  # the tokens of the target's cache rows 0 .. len-1, after the last request

@@ -19,6 +19,7 @@ from runtime import memory
 from runtime.actions import ActionTokenizer
 from runtime.backends.factory import load_weights, open_model, resolve_backend
 from runtime.backends.numpy_ref import cache_shape
+from runtime.backends.onnx_net import OnnxNet
 from runtime.blas import set_blas_threads
 from runtime.bundle import BackendFiles
 from runtime.config import BackendConfig, RuntimeConfig
@@ -38,6 +39,8 @@ from runtime.prompts import (ACTION_CHUNK, ZOO_PROMPTS, action_prompt, parse_pla
 from runtime.sampling import SamplingParams
 from runtime.templates import PromptFormat
 from runtime.tokenizer import StreamDecoder, Tokenizer
+from runtime.verify import verify_sampled
+from runtime.verify_typical import lossy_verifier
 
 DRAFTER_CHOICES = ("none", "ngram", "draft_model")
 
@@ -135,9 +138,11 @@ def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max
                           nets=mtp_graphs(bundle, entry, backend, arena, modules))
     if entry.kind == "medusa":
         spec = bundle.target.spec
+        graph = entry.backends.get("onnx") if backend.kind == "onnx" else None  # else the numpy heads
+        net = OnnxNet(bundle.path(graph.files[0]), backend.providers, backend.threads, f"drafter {name}") if graph else None
         return MedusaDrafter(load_weights(bundle, entry.files), tree=entry.params.get("tree", "chain"),
                              num_tokens=num_tokens, source=f"{bundle.root}: drafters.{name}",
-                             hidden=spec.hidden_size, vocab=spec.vocab_size)
+                             hidden=spec.hidden_size, vocab=spec.vocab_size, net=net)
     if entry.kind in ("dflash", "dflash2"):
         where = f"{bundle.path('bundle.yaml')}: drafters.{name}"
         if entry.spec is None:
@@ -304,8 +309,11 @@ class Session:
         self.drafter_kind = name
         self.backend_name = backend.kind
         self.prompts = prompt_format(b, self.tokenizer)
+        # decoding.lossy_typical_acceptance: the one LOSSY option, asked for by name (sampled requests only)
+        verifier = (lossy_verifier(config.decoding.typical_epsilon, config.decoding.typical_delta)
+                    if config.decoding.lossy_typical_acceptance else verify_sampled)
         self.engine = Engine(self.target, self.drafter, eos_ids(b, self.prompts, self.tokenizer),
-                             prefix_cache=config.memory.prefix_cache)
+                             sampled_verifier=verifier, prefix_cache=config.memory.prefix_cache)
         self._actions: Optional[ActionTokenizer] = None
         self._grammar_tokenizer: Optional[GrammarTokenizer] = None
         self._grammars: Dict[tuple, Grammar] = {}  # compiled grammars by (kind, text), the most recent few

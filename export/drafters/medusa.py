@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from runtime.drafters.medusa import medusa_layout
+from runtime.drafters.medusa import medusa_layout, resolve_tree
 from runtime.errors import BundleError
 
 HEAD_FILE = "medusa_lm_head.safetensors"
@@ -38,6 +38,15 @@ class MedusaHeads:
     source: str  # the file read
     config: Dict = field(default_factory=dict)  # config.json beside it, if any
     bf16: Tuple[str, ...] = ()  # keys stored as bf16 (kept bf16 in the bundle, bit for bit)
+
+    @property
+    def tree(self) -> Optional[str]:
+        """A shipped tree named for the heads (config key `medusa_tree`, a name in
+        runtime/drafters/medusa_trees.json, e.g. the zoo's measured one), else None. BundleError if unknown."""
+        name = self.config.get("medusa_tree")
+        if name is not None:
+            resolve_tree(str(name), self.num_heads)  # refuses a name the runtime would not know
+        return None if name is None else str(name)
 
     @property
     def choices(self) -> Optional[List[List[int]]]:
@@ -144,15 +153,15 @@ def write_medusa(out_dir: str, weights: Dict[str, np.ndarray], config: Dict) -> 
 
 def add_medusa_to_bundle(writer, source: str, spec) -> List[str]:
     """Copy Medusa heads into a bundle being written (`runtime.bundle.BundleWriter`) as two drafters over one
-    file: `medusa` (a tree: the heads' own `medusa_choices` if they ship one, else the published
-    mc_sim_7b_63) and `medusa_chain` (the top-1 chain). Returns the drafter names."""
+    file: `medusa` (a tree: the one the heads' config names (`medusa_tree`), else their own `medusa_choices`,
+    else the published mc_sim_7b_63) and `medusa_chain` (the top-1 chain). Returns the drafter names."""
     from runtime.tensors import write_safetensors
 
     heads = read_medusa(source, spec.hidden_size, spec.vocab_size)
     rel = f"medusa/{HEAD_FILE}"
     write_safetensors(writer.path(rel), heads.weights, metadata={"format": "pt"}, bf16=list(heads.bf16))
     common = {"num_heads": heads.num_heads, "num_layers": heads.num_layers, "layout": "medusa1"}
-    tree = heads.choices or DEFAULT_TREE
+    tree = heads.tree or heads.choices or DEFAULT_TREE
     writer.add_drafter("medusa", "medusa", files=[rel], params={**common, "tree": tree}, target_taps=["final_norm"])
     writer.add_drafter("medusa_chain", "medusa", files=[rel], params={**common, "tree": "chain"},
                        target_taps=["final_norm"])

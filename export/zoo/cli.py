@@ -54,8 +54,9 @@ def _standin(args) -> int:
                 files = add_onnx_to_bundle(staged, "fp32", None, validate=True)
                 print(f"standin: added {', '.join(files)} ({time.perf_counter() - t0:.0f} s)")
 
+        medusa = os.path.join(args.out, "medusa")  # the zoo's Medusa heads, widened by write_standin
         build_bundle(args.out, args.bundle, os.path.join(zoo, "draft"), name=name, force=args.force,
-                     extend=add_onnx)
+                     extend=add_onnx, medusa=medusa if os.path.isdir(medusa) else None)
         print(f"standin: bundle {args.bundle} (name {name}) ready in {time.perf_counter() - t0:.0f} s")
     return 0
 

@@ -14,6 +14,8 @@ weight traffic. Every padded weight is zero, so the arithmetic is the original's
                        Original KV head j stays KV head j; original query head i (group i // g) goes to
                        slot i % g of new group i // g (g = the original group size). Every other q/k/v row
                        is zero; the padded query heads attend uniformly, but their o_proj columns are zero
+  Medusa heads         ResBlock W [H, H] -> [H', H'], b and head projections [V, H] -> [V, H'] zero-padded:
+                       [x, 0] + SiLU(W'[x, 0] + b') = [x + SiLU(W x + b), 0] (SiLU(0) = 0), `widen_medusa`
   MTP (DeepSeek-V3)    enorm / hnorm / shared_head.norm as above; eh_proj [H, 2H] -> [H', 2H'] with the
                        embedding half at columns 0..H and the hidden half at H'..H'+H
 
@@ -116,6 +118,33 @@ def widen(weights: Dict[str, np.ndarray], config: dict, hidden: int, intermediat
     return out, cfg
 
 
+def widen_medusa(weights: Dict[str, np.ndarray], hidden: int) -> Dict[str, np.ndarray]:
+    """Medusa-1 heads for the stand-in: every (.., H) column block and (H,) vector zero-padded to `hidden`.
+    The stand-in's final-norm hidden is [x, 0], so a ResBlock gives [x + SiLU(W x + b), x0 + SiLU(0)] with x0 = 0
+    and SiLU(0) = 0: the padding stays zero through every block, and each head's (V, H') projection over
+    [r, 0] is the original's over r."""
+    out = {}
+    for name, w in weights.items():
+        w = np.asarray(w, np.float32)
+        if name.endswith("linear.weight"):
+            out[name] = _pad(w, (hidden, hidden))
+        elif name.endswith("linear.bias"):
+            out[name] = _pad(w, (hidden,))
+        else:  # {h}.{L}.weight, the head's vocabulary projection (V, H)
+            out[name] = _pad(w, (w.shape[0], hidden))
+    return out
+
+
+def write_standin_medusa(src: str, out: str, hidden: int) -> str:
+    """The Medusa heads in `src` (official layout) widened for the stand-in into `out` (fp16, their config and
+    tree kept, hidden_size set). Returns `out`."""
+    from export.drafters.medusa import read_medusa, write_medusa
+
+    heads = read_medusa(src)
+    write_medusa(out, widen_medusa(heads.weights, hidden), dict(heads.config, hidden_size=hidden))
+    return out
+
+
 def write_standin(src: str, out: str, hidden: int = 1024, intermediate: int = 4096, kv_heads: int = 8) -> int:
     """Write the widened HF checkpoint of `src` (config.json, model.safetensors fp32, tokenizer.json) to `out`.
     Returns its parameter count."""
@@ -127,4 +156,7 @@ def write_standin(src: str, out: str, hidden: int = 1024, intermediate: int = 40
         json.dump(cfg, f, indent=2, sort_keys=True)
     if ckpt.tokenizer_file:
         shutil.copyfile(ckpt.tokenizer_file, os.path.join(out, "tokenizer.json"))
+    medusa = os.path.join(os.path.dirname(os.path.abspath(src)), "medusa")
+    if os.path.isfile(os.path.join(medusa, "medusa_lm_head.safetensors")):  # the zoo's heads, widened beside it
+        write_standin_medusa(medusa, os.path.join(out, "medusa"), hidden)
     return sum(w.size for w in weights.values())

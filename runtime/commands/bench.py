@@ -240,6 +240,8 @@ def run(args) -> int:
                 tally, base = tallies[label, t, "all"], tallies["none", t, "all"]
                 by_domain = {d: (tallies[label, t, d], tallies["none", t, d]) for d in domains}
                 table.append(row(label, kind, t, tally, base, sessions[label], bundle.name, by_domain, per_forward))
+                if cfg.decoding.lossy_typical_acceptance and kind != "none" and t > 0.0:
+                    table[-1].update(label=label + "~lossy", lossy=True)  # typical acceptance: not the target's law
                 if table[-1]["identical_to_plain"] is False:
                     n = next(n for n, (a, b) in enumerate(zip(base.outputs, tally.outputs)) if a != b)
                     table[-1]["near_tie"] = dict(near_tie(sessions["none"], prompt_ids[n % len(prompts)],

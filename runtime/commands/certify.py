@@ -7,7 +7,7 @@ import sys
 import time
 from typing import List, Tuple
 
-from runtime.certify import certify, choose_contexts, dedup_siblings, forget_residual
+from runtime.certify import LOSSY_REFUSAL, certify, choose_contexts, dedup_siblings, forget_residual
 from runtime.commands.common import add_model_args, runtime_config
 from runtime.errors import ConfigError
 from runtime.prompts import format_observation
@@ -116,7 +116,10 @@ def tree_widths(arg: str, configured: int, drafter) -> List[int]:
 
 def run(args) -> int:
     check_args(args)
-    session = Session(runtime_config(args))
+    cfg = runtime_config(args)
+    if cfg.decoding.lossy_typical_acceptance:
+        raise ConfigError(LOSSY_REFUSAL)
+    session = Session(cfg)
     if session.drafter is None:
         raise ConfigError("--drafter: certify needs a drafter (plain decoding has nothing to certify); "
                           "pick one of the bundle's, e.g. --drafter draft_model")

@@ -20,7 +20,8 @@ DEFAULT_BUNDLE = RuntimeConfig().bundle  # relative: resolved by `resolve_bundle
 # flag attribute -> config key it sets (sampling keys only where the command defines the flag)
 MODEL_FLAGS = {"backend": "backend.kind", "precision": "backend.precision", "drafter": "drafter.kind",
                "num_draft": "drafter.num_tokens", "branching": "drafter.branching",
-               "max_context": "memory.max_context", "prefix_cache": "memory.prefix_cache"}
+               "max_context": "memory.max_context", "prefix_cache": "memory.prefix_cache",
+               "lossy_typical_acceptance": "decoding.lossy_typical_acceptance"}
 SAMPLING_FLAGS = {"max_tokens": "generation.max_tokens", "temperature": "generation.temperature",
                   "top_p": "generation.top_p", "top_k": "generation.top_k", "seed": "generation.seed"}
 
@@ -72,6 +73,10 @@ def add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False,
                    help="prefill every prompt in full (default: keep the K/V of the prefix shared with the "
                         "previous request; exact either way)")
+    g.add_argument("--lossy-typical-acceptance", dest="lossy_typical_acceptance", action="store_const", const=True,
+                   help="LOSSY: accept sampled drafts by Medusa's typical acceptance (p(x) > min(0.09, "
+                        "0.3*exp(-H(p)))) instead of exact rejection sampling; changes the output distribution "
+                        "(greedy stays exact); certify refuses it. Default: exact")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -134,14 +134,21 @@ class MedusaDrafter(Drafter):
     fixed_shape = True  # the choice list is the tree; `branching` only reports its widest node
 
     def __init__(self, weights: Mapping[str, np.ndarray], tree="chain", num_tokens: int = 4, source: str = "medusa",
-                 hidden: Optional[int] = None, vocab: Optional[int] = None):
+                 hidden: Optional[int] = None, vocab: Optional[int] = None, net=None):
         self.num_heads, self.num_layers = medusa_layout(weights, source, hidden, vocab)
-        f32 = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()}
-        L = self.num_layers
-        # stacked over heads, so that one cycle's drafting is 2 batched products per layer, not 2 per head
-        self.w = [np.stack([f32[f"{h}.{l}.linear.weight"] for h in range(self.num_heads)]) for l in range(L)]  # (K, H, H)
-        self.b = [np.stack([f32[f"{h}.{l}.linear.bias"] for h in range(self.num_heads)]) for l in range(L)]  # (K, H)
-        self.out = np.stack([f32[f"{h}.{L}.weight"] for h in range(self.num_heads)])  # (K, V, H)
+        # net: the heads' ONNX graph (export/drafters/medusa_onnx.py) run by an OnnxNet, hidden (H,) -> (K, V);
+        # then the numpy weights are not kept (the export checked the graph against them)
+        self.net = net
+        self.w: List[np.ndarray] = []
+        self.b: List[np.ndarray] = []
+        self.out = np.zeros((self.num_heads, 0, 0), np.float32)
+        if net is None:
+            f32 = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()}
+            L = self.num_layers
+            # stacked over heads, so that one cycle's drafting is 2 batched products per layer, not 2 per head
+            self.w = [np.stack([f32[f"{h}.{l}.linear.weight"] for h in range(self.num_heads)]) for l in range(L)]  # (K, H, H)
+            self.b = [np.stack([f32[f"{h}.{l}.linear.bias"] for h in range(self.num_heads)]) for l in range(L)]  # (K, H)
+            self.out = np.stack([f32[f"{h}.{L}.weight"] for h in range(self.num_heads)])  # (K, V, H)
         self.choices = resolve_tree(tree, min(self.num_heads, num_tokens))
         # children per node of the shape (the root is ()): how many siblings the sibling rule draws there
         self.width: Dict[Tuple[int, ...], int] = {}
@@ -153,6 +160,8 @@ class MedusaDrafter(Drafter):
 
     @property
     def memory_bytes(self) -> int:
+        if self.net is not None:
+            return int(self.net.weight_bytes)
         return int(self.out.nbytes + sum(w.nbytes + b.nbytes for w, b in zip(self.w, self.b)))
 
     def begin(self, prompt, taps) -> None:
@@ -166,6 +175,8 @@ class MedusaDrafter(Drafter):
 
     def head_logits(self, h: np.ndarray, depth: int) -> np.ndarray:
         """h (H,) -> logits of heads 0..depth-1: (depth, V)."""
+        if self.net is not None:
+            return self.net.run({"hidden": h}, ("logits",))["logits"][:depth]
         x = np.broadcast_to(h, (depth, h.shape[0]))  # (depth, H)
         for w, b in zip(self.w, self.b):
             x = x + silu(np.einsum("khd,kd->kh", w[:depth], x) + b[:depth])
