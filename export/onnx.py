@@ -358,6 +358,9 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
         dw = _safetensors_weights(b, d.files)
         if dw:
             graphs.append((name, f"onnx/drafter.{name}.{precision}.onnx", d.spec, dw, ()))
+    from export.drafters import eagle_onnx  # imports this module (its graph helpers)
+
+    heads = {} if quantised else eagle_onnx.bundle_heads(b, weights)  # EAGLE steps: export/drafters/eagle_onnx.py
     writer = bundle_mod.BundleWriter.extend(bundle_dir)  # reads (and checks) the manifest before any file changes
     staging = tempfile.mkdtemp(prefix=".onnx-export-", dir=bundle_dir)
     try:
@@ -373,8 +376,12 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
             if validate:
                 check_against_reference(f"{bundle_dir}/{grel} ({label})",
                                         validate_onnx(spec, w, staged, gtaps, precision), precision)
+        for name, (drafter, _) in heads.items():
+            staged = os.path.join(staging, f"drafter.{name}.fp32.onnx")
+            eagle_onnx.export_and_check(drafter, staged, f"{bundle_dir}/onnx/drafter.{name}.fp32.onnx", validate)
+            share_initializers(staged, os.path.join(staging, os.path.basename(rel)))  # the target's embedding/head
         os.makedirs(os.path.join(bundle_dir, "onnx"), exist_ok=True)
-        for _, grel, *_ in graphs:
+        for grel in [g[1] for g in graphs] + [f"onnx/drafter.{n}.fp32.onnx" for n in heads]:
             for suffix in ("", ".data"):
                 os.replace(os.path.join(staging, os.path.basename(grel) + suffix), os.path.join(bundle_dir, grel + suffix))
     finally:
@@ -391,6 +398,11 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
             writer.add_target_backend(onnx_entry_key(precision), files, params)
         else:
             writer.add_drafter_backend(label, "onnx", files, params)
+        written += files
+    for name, (drafter, users) in heads.items():
+        files = [f"onnx/drafter.{name}.fp32.onnx", f"onnx/drafter.{name}.fp32.onnx.data"]
+        for user in users:
+            writer.add_drafter_backend(user, "onnx", files, eagle_onnx.graph_params(drafter))
         written += files
     # One ONNX entry per model: the files of the entry just replaced (another precision) are removed, as
     # the manifest listed them, so that no orphan graph is left on disk. Nothing unlisted is touched.
