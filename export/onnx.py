@@ -376,6 +376,9 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
         dw = _safetensors_weights(b, d.files)
         if dw:
             graphs.append((name, f"onnx/drafter.{name}.{precision}.onnx", d.spec, dw, ()))
+    from export.drafters import eagle_onnx  # imports this module (its graph helpers)
+
+    heads = {} if quantised else eagle_onnx.bundle_heads(b, weights)  # EAGLE steps: export/drafters/eagle_onnx.py
     writer = bundle_mod.BundleWriter.extend(bundle_dir)  # reads (and checks) the manifest before any file changes
     staging = tempfile.mkdtemp(prefix=".onnx-export-", dir=bundle_dir)
     try:
@@ -402,6 +405,12 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
                 for name, d in b.drafters.items() if d.kind == "mtp")]
         extra += [(name, [grel, grel + ".data"], params)  # medusa and medusa_chain share one graph; fp32 only
                   for name, grel, params in export_medusa_graphs(b, staging, precision, validate)]
+        for name, (drafter, users) in heads.items():  # one EAGLE step graph, recorded for each drafter using it
+            grel = f"onnx/drafter.{name}.fp32.onnx"
+            staged = os.path.join(staging, os.path.basename(grel))
+            eagle_onnx.export_and_check(drafter, staged, f"{bundle_dir}/{grel}", validate)
+            share_initializers(staged, target_graph)  # the target's embedding/head
+            extra += [(user, [grel, grel + ".data"], eagle_onnx.graph_params(drafter)) for user in users]
         os.makedirs(os.path.join(bundle_dir, "onnx"), exist_ok=True)
         moved = {grel + suffix for _, grel, *_ in graphs for suffix in ("", ".data")} | {f for e in extra for f in e[1]}
         for f in sorted(moved):

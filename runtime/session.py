@@ -115,7 +115,7 @@ def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max
                             branching=branching)
     entry = bundle.drafter(name)
     if entry.kind in ("eagle", "eagle3"):
-        return build_eagle(name, entry, bundle, arena, max_positions, num_tokens, branching, target_weights)
+        return build_eagle(name, entry, bundle, arena, max_positions, num_tokens, branching, target_weights, backend)
     if entry.kind == "draft_model":
         files = entry.backends.get(backend.kind) if backend.kind != "numpy_ref" else None
         files = files or BackendFiles(files=entry.files)
@@ -177,9 +177,10 @@ def mtp_graphs(bundle, entry, backend: BackendConfig, arena: KVArena, modules: i
 
 
 def build_eagle(name: str, entry, bundle, arena: KVArena, max_positions: int, num_tokens: int, branching: int,
-                target_weights=None) -> EagleDrafter:
+                target_weights=None, backend: Optional[BackendConfig] = None) -> EagleDrafter:
     """An EAGLE-1/2 or EAGLE-3 head (runtime/drafters/eagle.py) on the target's embedding (and, EAGLE-1, its
-    LM head); params.tree set = the EAGLE-2 dynamic tree, else chains of num_tokens x branching."""
+    LM head); params.tree set = the EAGLE-2 dynamic tree, else chains of num_tokens x branching. Its step runs
+    on the entry's ONNX graph when the backend is onnx and the entry has one, else in numpy."""
     source = f"{bundle.root}: drafters.{name}"
     if entry.spec is None:
         raise BundleError(f"{source}: no spec (the draft layer's shape); rebuild it with export/drafters/eagle.py")
@@ -191,9 +192,18 @@ def build_eagle(name: str, entry, bundle, arena: KVArena, max_positions: int, nu
     if tree is not None and not isinstance(tree, dict):
         raise BundleError(f"{source}: params.tree: got {tree!r}, expected a mapping (total_tokens, depth, top_k)")
     cache = arena.allocate("draft", cache_shape(entry.spec), max_positions + memory.DRAFT_SLACK)
+    net = None
+    graph = entry.backends.get("onnx") if backend is not None and backend.kind == "onnx" else None
+    if graph is not None:
+        from runtime.backends.onnx_net import OnnxNet
+        onnx_files = [f for f in graph.files if f.endswith(".onnx")]
+        if not onnx_files:
+            raise BundleError(f"{source}.backends.onnx lists no .onnx graph; run `edgespec export --to onnx --bundle {bundle.root}`")
+        net = OnnxNet(bundle.path(onnx_files[0]), providers=backend.providers, threads=backend.threads,
+                      label=f"{entry.kind} head {name}")
     return EagleDrafter(entry.kind, entry.spec, load_weights(bundle, entry.files), embed, head, cache, entry.params,
                         num_tokens=num_tokens, branching=branching,
-                        tree=DynamicTree.from_params(tree, source) if tree is not None else None, source=source)
+                        tree=DynamicTree.from_params(tree, source) if tree is not None else None, source=source, net=net)
 
 
 def check_taps(target, drafter: Optional[Drafter], backend: str, bundle_root: str) -> None:

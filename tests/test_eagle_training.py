@@ -75,3 +75,49 @@ def test_a_few_trainer_steps_lower_the_loss_and_export_loads(tmp_path, target):
     assert res.steps == 12 and np.mean(res.losses[-3:]) < np.mean(res.losses[:3])
     task.export(str(tmp_path / "head"))
     assert load_eagle(str(tmp_path / "head"), spec_of(CFG)).kind == "eagle3"
+
+
+def _eagle_run(work, steps):
+    from export.drafters.data import DOMAINS
+
+    torch.manual_seed(0)
+    target = LlamaLM(CFG).eval()
+    rng = np.random.default_rng(0)
+    data = {f"{d}_train": [list(rng.integers(3, 61, 24)) for _ in range(8)] for d in DOMAINS}
+    torch.manual_seed(1)
+    task = EagleTask("eagle3", target, unroll=2)
+    cfg = TrainConfig(steps=steps, budget_s=600, lr=3e-3, warmup=1, batch=2, seq_len=16, seed=3, threads=1, log_every=100)
+    return train(task, target, data, cfg, str(work), log=lambda m: None)
+
+
+def _eagle_ddp_worker(rank: int, world: int, port: int, work: str, out: str) -> None:
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    import torch.distributed as dist
+
+    try:
+        res = _eagle_run(work, 3)
+        if rank == 0:
+            np.save(out, np.asarray(res.losses))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_eagle_training_on_two_gloo_processes_follows_the_single_process_loss_curve(tmp_path):
+    """torchrun-style data parallelism (gloo on CPU) on the EAGLE-3 task with its training-time test: each process
+    takes half of every batch's rows, DDP averages the gradients; the loss curve equals one process's."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    single = _eagle_run(tmp_path / "one", 3)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "ddp_losses.npy")
+    mp.start_processes(_eagle_ddp_worker, args=(2, port, str(tmp_path / "two"), out), nprocs=2, join=True,
+                       start_method="spawn")
+    assert np.allclose(np.load(out), single.losses, rtol=1e-4, atol=1e-6)
+    assert len(single.losses) == 3

@@ -20,6 +20,11 @@ took 10 min on 2 shared cores. For data parallelism run it under torchrun (gloo 
 its share of every batch's rows:
   torchrun --nproc-per-node 2 -m runtime.cli train-drafter medusa --target zoo/target --out /tmp/heads
 
+A robot-sized target (0.6-8 B) is a GPU job: the EAGLE papers train on about 68K ShareGPT dialogues (EAGLE-1;
+EAGLE-3 adds UltraChat-200K) and report 1-2 days on 4 A100s for 7-70 B targets, i.e. on the order of 100
+GPU-hours; a 1-2 B target takes a fraction of that. This command does not do that run yet: its data are
+the zoo's domains (no chat-corpus option) and its processes run on CPU over gloo (no CUDA placement/NCCL).
+
 examples:
   edgespec train-drafter medusa --target zoo/target --out zoo/medusa --heads 4 --minutes 10
   edgespec train-drafter medusa --target zoo/target --out /tmp/heads --steps 20 --batch 2 --seq-len 64

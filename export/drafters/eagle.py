@@ -275,8 +275,9 @@ def _eagle3(w, spec: ModelSpec, target: ModelSpec, cfg, wrapper, source: str) ->
     return EagleHead("eagle3", spec, _float32(w), params, eagle3_taps(layers))
 
 
-# The zoo's EAGLE-2 tree: of 8, 16 and 32 nodes, 8 gave the most tok/s on the 2-core CPU (BENCHMARKS.md).
-ZOO_TREE = {"total_tokens": 8, "depth": 4, "top_k": 3}
+# The zoo's EAGLE-2 tree: of (total_tokens, depth, top_k) 4/3/2, 8/4/3, 12/5/3, 16/5/4, 24/6/4 and the paper's
+# 60/6/10, 4/3/2 gave the most tok/s on the 2-core CPU with the heads on ONNX Runtime (BENCHMARKS.md, issue 16).
+ZOO_TREE = {"total_tokens": 4, "depth": 3, "top_k": 2}
 
 
 def add_eagle_to_bundle(bundle_dir: str, checkpoint: str, kind: str = "auto", name: Optional[str] = None,

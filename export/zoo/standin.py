@@ -18,6 +18,9 @@ weight traffic. Every padded weight is zero, so the arithmetic is the original's
                        [x, 0] + SiLU(W'[x, 0] + b') = [x + SiLU(W x + b), 0] (SiLU(0) = 0), `widen_medusa`
   MTP (DeepSeek-V3)    enorm / hnorm / shared_head.norm as above; eh_proj [H, 2H] -> [H', 2H'] with the
                        embedding half at columns 0..H and the hidden half at H'..H'+H
+  EAGLE-1 / EAGLE-3    (`widen_eagle`) fc [H, nH] -> [H', nH'], input block i at columns i*H'..i*H'+H (EAGLE-1
+                       concat[embed, f], EAGLE-3 its three taps); EAGLE-3's q/k/v over the 2H attention input
+                       likewise at columns 0..H and H'..H'+H; d2t / t2d unchanged; the rest as the target's
 
 Worked example (H 256 -> 1024, 8 q / 4 KV heads -> 32 / 8, g = 2, new group size 4): original query head 5
 (KV head 2) becomes query head 4 * 2 + 1 = 9, which reads KV head 9 // 4 = 2."""
@@ -145,6 +148,38 @@ def write_standin_medusa(src: str, out: str, hidden: int) -> str:
     return out
 
 
+def widen_eagle(weights: Dict[str, np.ndarray], config: dict, hidden: int, intermediate: int,
+                kv_heads: int) -> Tuple[Dict[str, np.ndarray], dict]:
+    """An EAGLE-1 or EAGLE-3 head (official names, export/drafters/eagle.py) padded like its target by `widen`,
+    so that on the stand-in's [x, 0] states it predicts what it predicts on the zoo target's x."""
+    h, d = config["hidden_size"], config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    check_widening(config, hidden, intermediate, kv_heads)
+    nh, nkv, new_heads = config["num_attention_heads"], config["num_key_value_heads"], hidden // d
+    q_rows = (head_slots(nh, nkv, kv_heads, new_heads)[:, None] * d + np.arange(d)).reshape(-1)
+    two = np.concatenate([np.arange(h), hidden + np.arange(h)])  # the 2H attention input's columns
+    own, rest = {}, {}
+    for name, w in weights.items():
+        if name in ("d2t", "t2d"):
+            own[name] = w
+        elif name == "fc.weight":  # (H, n*H) over n concatenated H-wide inputs
+            w = np.asarray(w, np.float32)
+            fc = np.zeros((hidden, hidden * (w.shape[1] // h)), np.float32)
+            for i in range(w.shape[1] // h):
+                fc[:h, i * hidden:i * hidden + h] = w[:, i * h:(i + 1) * h]
+            own[name] = fc
+        elif name == "fc.bias":
+            own[name] = _pad(np.asarray(w, np.float32), (hidden,))
+        elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")) and w.shape[1] == 2 * h:
+            rows = q_rows if name.endswith("q_proj.weight") else np.arange(nkv * d)
+            out = np.zeros((new_heads * d if name.endswith("q_proj.weight") else kv_heads * d, 2 * hidden), np.float32)
+            out[np.ix_(rows, two)] = np.asarray(w, np.float32)
+            own[name] = out
+        else:
+            rest[name] = w
+    widened, cfg = widen(rest, config, hidden, intermediate, kv_heads)
+    return dict(widened, **own), cfg
+
+
 def write_standin(src: str, out: str, hidden: int = 1024, intermediate: int = 4096, kv_heads: int = 8) -> int:
     """Write the widened HF checkpoint of `src` (config.json, model.safetensors fp32, tokenizer.json) to `out`.
     Returns its parameter count."""
@@ -160,3 +195,37 @@ def write_standin(src: str, out: str, hidden: int = 1024, intermediate: int = 40
     if os.path.isfile(os.path.join(medusa, "medusa_lm_head.safetensors")):  # the zoo's heads, widened beside it
         write_standin_medusa(medusa, os.path.join(out, "medusa"), hidden)
     return sum(w.size for w in weights.values())
+
+
+def write_standin_eagle(src: str, out: str, hidden: int = 1024, intermediate: int = 4096, kv_heads: int = 8) -> str:
+    """The widened EAGLE head of checkpoint dir `src` (config.json, model.safetensors) at `out`, in the head's
+    own float dtype (the padding is exact: zeros, and norm weights x sqrt(H/H'), a power of two here)."""
+    from export.hf_reader import read_weights
+
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    raw = read_weights(src)
+    weights, cfg = widen_eagle(raw, config, hidden, intermediate, kv_heads)
+    dtype = {str(v.dtype) for k, v in raw.items() if v.dtype.kind == "f"}
+    cfg["torch_dtype"] = "float16" if dtype == {"float16"} else "float32"
+    keep = np.float16 if cfg["torch_dtype"] == "float16" else np.float32
+    os.makedirs(out, exist_ok=True)
+    write_safetensors(os.path.join(out, "model.safetensors"),
+                      {k: v.astype(keep) if v.dtype.kind == "f" else v for k, v in weights.items()}, metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    return out
+
+
+def add_standin_eagle_heads(zoo: str, out: str, bundle_dir: str, hidden: int, intermediate: int, kv_heads: int) -> list:
+    """Pad the zoo's EAGLE heads (zoo/eagle1, zoo/eagle3, where present) into `out` and add them to the stand-in
+    bundle under the zoo bundle's drafter names (eagle, eagle2, eagle3, eagle3_chain). Returns the names added."""
+    from export.drafters.eagle import ZOO_TREE, add_eagle_to_bundle
+
+    added = []
+    for src, kind, drafters in (("eagle1", "eagle", {"eagle": None, "eagle2": ZOO_TREE}),
+                                ("eagle3", "eagle3", {"eagle3": ZOO_TREE, "eagle3_chain": None})):
+        if os.path.isfile(os.path.join(zoo, src, "model.safetensors")):
+            head = write_standin_eagle(os.path.join(zoo, src), os.path.join(out, src), hidden, intermediate, kv_heads)
+            added += add_eagle_to_bundle(bundle_dir, head, kind, drafters=drafters)
+    return added

@@ -107,7 +107,7 @@ class EagleDrafter(Drafter):
 
     def __init__(self, kind: str, spec: ModelSpec, weights: Mapping[str, np.ndarray], embed: np.ndarray,
                  target_head: np.ndarray, cache: KVCache, params: Mapping, num_tokens: int = 4, branching: int = 1,
-                 tree: Optional[DynamicTree] = None, source: str = "eagle"):
+                 tree: Optional[DynamicTree] = None, source: str = "eagle", net=None):
         if kind not in ("eagle", "eagle3"):
             raise BundleError(f"{source}: kind {kind!r} is not an EAGLE head")
         self.kind = kind
@@ -155,6 +155,10 @@ class EagleDrafter(Drafter):
             self.target_taps = tuple(f"layer_in.{int(i)}" for i in layers)
         self.committed_rows = 0
         self.pending: Optional[np.ndarray] = None  # (n, H) features of committed positions not yet run
+        self.net = net  # the step as an ONNX graph (runtime/backends/onnx_net.OnnxNet), else numpy
+        if net is not None:
+            net.require(("input_ids", "features", "position_ids", "attention_mask", "past_key", "past_value"),
+                        ("logits", "hidden", "new_key", "new_value"))
 
     @property
     def memory_bytes(self) -> int:
@@ -192,16 +196,42 @@ class EagleDrafter(Drafter):
         self.cache.length = start + t
         return out
 
-    def _logits(self, hidden: np.ndarray) -> np.ndarray:
-        """h' (T, H) -> (T, V) logits over the TARGET's vocabulary."""
+    def _draft_logits(self, hidden: np.ndarray) -> np.ndarray:
+        """h' (T, H) -> (T, V') logits of the head (EAGLE-3: over its draft vocabulary)."""
         if self.kind == "eagle":
             return hidden @ self.head.T
-        draft = rms_norm(hidden, self.w["norm.weight"], self.spec.rms_norm_eps) @ self.head.T  # (T, draft_vocab)
+        return rms_norm(hidden, self.w["norm.weight"], self.spec.rms_norm_eps) @ self.head.T  # (T, draft_vocab)
+
+    def _to_target(self, draft: np.ndarray) -> np.ndarray:
+        """(T, V') head logits -> (T, V) over the TARGET's vocabulary (EAGLE-3 places draft ids by d2t)."""
         if self.draft_ids is None:
             return draft
-        out = np.full((hidden.shape[0], self.vocab), UNMAPPED, np.float32)
+        out = np.full((draft.shape[0], self.vocab), UNMAPPED, np.float32)
         out[:, self.draft_ids] = draft
         return out
+
+    def _logits(self, hidden: np.ndarray) -> np.ndarray:
+        """h' (T, H) -> (T, V) logits over the TARGET's vocabulary."""
+        return self._to_target(self._draft_logits(hidden))
+
+    def _step(self, features: np.ndarray, tokens: Sequence[int], positions: np.ndarray, mask: np.ndarray,
+              last_only: bool = False) -> Tuple[np.ndarray, np.ndarray]:
+        """One draft-layer call, rows appended to the cache -> (h' (T, H), target-vocabulary logits (T or 1, V)),
+        on the ONNX graph when there is one, else in numpy (the oracle the export was checked against)."""
+        if self.net is None:
+            out = self._run(features, tokens, positions, mask)
+            return out, self._logits(out[-1:] if last_only else out)
+        t, start = len(tokens), self.cache.length
+        self.cache.check_room(t)
+        got = self.net.run({"input_ids": np.asarray(tokens, np.int64), "features": np.asarray(features, np.float32),
+                            "position_ids": np.asarray(positions, np.int64),
+                            "attention_mask": np.where(mask, np.float32(0.0), np.float32(-np.inf)),
+                            "past_key": self.cache.k[:start, 0], "past_value": self.cache.v[:start, 0]})
+        self.cache.k[start:start + t, 0] = got["new_key"]
+        self.cache.v[start:start + t, 0] = got["new_value"]
+        self.cache.length = start + t
+        logits = got["logits"]
+        return got["hidden"], self._to_target(logits[-1:] if last_only else logits)
 
     # -- the drafter interface --------------------------------------------------------------------
 
@@ -226,11 +256,11 @@ class EagleDrafter(Drafter):
         n = feats.shape[0]
         if first + n != len(tokens) - 1:
             raise RuntimeError(f"EAGLE drafter out of step: {first} + {n} rows for a context of {len(tokens)} tokens")
-        out = self._run(feats, tokens[first + 1:first + 1 + n], np.arange(first, first + n),
-                        causal_mask(first, n))
+        out, logits = self._step(feats, tokens[first + 1:first + 1 + n], np.arange(first, first + n),
+                                 causal_mask(first, n), last_only=True)
         self.committed_rows += n
         self.pending = feats[:0]
-        return out[-1:], self._logits(out[-1:])[0]
+        return out[-1:], logits[0]
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         tokens = list(ctx.tokens)
@@ -270,9 +300,8 @@ class EagleDrafter(Drafter):
             start = self.cache.length
             anc = [[rows[a] for a in self._path(parents, n)[:-1]] for n in frontier]
             feats = np.stack([hidden[parents[n]] for n in frontier])
-            out = self._run(feats, [out_tokens[n] for n in frontier], np.full(len(frontier), root_pos + d - 1),
-                            self._tree_mask(anc, start))
-            logits = self._logits(out)
+            out, logits = self._step(feats, [out_tokens[n] for n in frontier], np.full(len(frontier), root_pos + d - 1),
+                                     self._tree_mask(anc, start))
             new_frontier = []
             for j, node in enumerate(frontier):
                 rows[node] = start + j
@@ -302,10 +331,9 @@ class EagleDrafter(Drafter):
         def expand(frontier: List[int], toks: List[int], pars: List[int]) -> List[np.ndarray]:
             start = self.cache.length
             paths = [self._path(pars, n) for n in frontier]
-            out = self._run(np.stack([hidden[pars[n]] for n in frontier]), [toks[n] for n in frontier],
-                            np.asarray([len(tokens) - 2 + len(path) for path in paths]),
-                            self._tree_mask([[rows[a] for a in path[:-1]] for path in paths], start))
-            logits = self._logits(out)
+            out, logits = self._step(np.stack([hidden[pars[n]] for n in frontier]), [toks[n] for n in frontier],
+                                     np.asarray([len(tokens) - 2 + len(path) for path in paths]),
+                                     self._tree_mask([[rows[a] for a in path[:-1]] for path in paths], start))
             res = []
             for j, (n, path) in enumerate(zip(frontier, paths)):
                 rows[n] = start + j
