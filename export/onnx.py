@@ -358,6 +358,9 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
         dw = _safetensors_weights(b, d.files)
         if dw:
             graphs.append((name, f"onnx/drafter.{name}.{precision}.onnx", d.spec, dw, ()))
+    from export.drafters import dflash_onnx
+
+    blocks = {} if quantised else dflash_onnx.bundle_graphs(b)  # DFlash block forwards: export/drafters/dflash_onnx.py
     writer = bundle_mod.BundleWriter.extend(bundle_dir)  # reads (and checks) the manifest before any file changes
     staging = tempfile.mkdtemp(prefix=".onnx-export-", dir=bundle_dir)
     try:
@@ -373,8 +376,13 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
             if validate:
                 check_against_reference(f"{bundle_dir}/{grel} ({label})",
                                         validate_onnx(spec, w, staged, gtaps, precision), precision)
+        for name, (args, _) in blocks.items():
+            dflash_onnx.export_and_check(*args, os.path.join(staging, f"drafter.{name}.fp32.onnx"),
+                                         f"{bundle_dir}/onnx/drafter.{name}.fp32.onnx",
+                                         *dflash_onnx.embed_and_head(weights), validate=validate)
         os.makedirs(os.path.join(bundle_dir, "onnx"), exist_ok=True)
-        for _, grel, *_ in graphs:
+        graphs_dflash = [(n, f"onnx/drafter.{n}.fp32.onnx") for n in blocks]
+        for grel in [g[1] for g in graphs] + [g for _, g in graphs_dflash]:
             for suffix in ("", ".data"):
                 os.replace(os.path.join(staging, os.path.basename(grel) + suffix), os.path.join(bundle_dir, grel + suffix))
     finally:
@@ -392,6 +400,10 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
         else:
             writer.add_drafter_backend(label, "onnx", files, params)
         written += files
+    for name, grel in graphs_dflash:
+        for user in blocks[name][1]:
+            writer.add_drafter_backend(user, "onnx", [grel, grel + ".data"], {"precision": "fp32", "graph": "dflash_block"})
+        written += [grel, grel + ".data"]
     # One ONNX entry per model: the files of the entry just replaced (another precision) are removed, as
     # the manifest listed them, so that no orphan graph is left on disk. Nothing unlisted is touched.
     listed = set(writer.manifest.get("files") or {})
