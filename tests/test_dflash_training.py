@@ -104,3 +104,16 @@ def test_a_few_trainer_steps_lower_the_loss_and_the_export_joins_a_bundle(tmp_pa
     entries = w.manifest["drafters"]
     assert {n: e["params"]["block_size"] for n, e in entries.items()} == {kind: 8, f"{kind}_b4": 4}
     assert entries[kind]["files"] == entries[f"{kind}_b4"]["files"]
+
+
+def test_train_drafter_dflash_refuses_bad_block_sizes_with_a_one_line_error(tmp_path, capsys):
+    import os
+
+    from runtime.cli import main
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    argv = ["train-drafter", "dflash2", "--target", os.path.join(repo, "zoo", "target"), "--out", str(tmp_path / "o")]
+    assert main(argv + ["--block-sizes", "1,16"]) == 2
+    assert "--block-sizes: got '1,16'" in capsys.readouterr().err
+    assert main(argv + ["--layers", "0"]) == 2
+    assert "--layers: got 0, expected 1..8" in capsys.readouterr().err
