@@ -41,7 +41,8 @@ def register(sub) -> None:
                                                   "or speculators layout): drafters eagle and eagle2")
     p.add_argument("--eagle3", metavar="DIR", help="an EAGLE-3 head (same layouts): drafters eagle3 and eagle3_chain")
     p.add_argument("--dflash", action="append", default=[], metavar="DIR",
-                   help="official DFlash or DFlash-2 drafter directory (z-lab layout); repeatable, one of each kind")
+                   help="official DFlash or DFlash-2 drafter directory (z-lab layout); repeatable, one of each kind; "
+                        "one drafter <kind>_b<size> more per smaller block in dflash_config.trained_block_sizes")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="bundle directory to write: new or empty (an existing bundle is replaced only with "
                         "--force; a directory holding anything else is refused); never an input or inside one")

@@ -372,13 +372,15 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
     graphs = [("target", rel, b.target.spec, weights, tuple(taps))]
     for name, d in b.drafters.items():
         if quantised or d.kind != "draft_model" or d.spec is None:
-            continue  # Medusa graphs: export_medusa_graphs below; MTP / EAGLE / DFlash join as their modules land
+            continue  # MTP, Medusa, EAGLE and DFlash graphs: their own exporters, below
         dw = _safetensors_weights(b, d.files)
         if dw:
             graphs.append((name, f"onnx/drafter.{name}.{precision}.onnx", d.spec, dw, ()))
-    from export.drafters import eagle_onnx  # imports this module (its graph helpers)
+    from export.drafters import dflash_onnx, eagle_onnx  # (they build on this module's graph helpers)
+    from export.drafters.mtp_onnx import export_bundle_mtp
 
     heads = {} if quantised else eagle_onnx.bundle_heads(b, weights)  # EAGLE steps: export/drafters/eagle_onnx.py
+    blocks = {} if quantised else dflash_onnx.bundle_graphs(b)  # DFlash block forwards: export/drafters/dflash_onnx.py
     writer = bundle_mod.BundleWriter.extend(bundle_dir)  # reads (and checks) the manifest before any file changes
     staging = tempfile.mkdtemp(prefix=".onnx-export-", dir=bundle_dir)
     try:
@@ -394,8 +396,6 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
             if validate:
                 check_against_reference(f"{bundle_dir}/{grel} ({label})",
                                         validate_onnx(spec, w, staged, gtaps, precision), precision)
-        from export.drafters.mtp_onnx import export_bundle_mtp  # (it builds on this module's blocks)
-
         target_graph = os.path.join(staging, os.path.basename(rel))
         # Drafter graphs other than draft models: (drafter, files, params) each, written into staging and checked.
         extra = [] if quantised else [  # MTP modules: their own graphs (export/drafters/mtp_onnx.py)
@@ -411,6 +411,11 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
             eagle_onnx.export_and_check(drafter, staged, f"{bundle_dir}/{grel}", validate)
             share_initializers(staged, target_graph)  # the target's embedding/head
             extra += [(user, [grel, grel + ".data"], eagle_onnx.graph_params(drafter)) for user in users]
+        for name, (args, users) in blocks.items():  # one DFlash block graph, recorded for each drafter using it
+            grel = f"onnx/drafter.{name}.fp32.onnx"
+            dflash_onnx.export_and_check(*args, os.path.join(staging, os.path.basename(grel)), f"{bundle_dir}/{grel}",
+                                         *dflash_onnx.embed_and_head(weights), validate=validate)
+            extra += [(user, [grel, grel + ".data"], {"precision": "fp32", "graph": "dflash_block"}) for user in users]
         os.makedirs(os.path.join(bundle_dir, "onnx"), exist_ok=True)
         moved = {grel + suffix for _, grel, *_ in graphs for suffix in ("", ".data")} | {f for e in extra for f in e[1]}
         for f in sorted(moved):

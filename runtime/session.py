@@ -155,7 +155,13 @@ def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max
         head = embed if spec.tie_word_embeddings else np.ascontiguousarray(target_w["lm_head.weight"], np.float32)
         # the context rows plus one block of temporary rows
         cache = arena.allocate("draft", cache_shape(entry.spec), max_positions + params.block_size)
-        return DFlashDrafter(entry.spec, params, weights, embed, head, cache, source=where)
+        net = None
+        if backend.kind == "onnx" and "onnx" in entry.backends:  # the block forward as a graph, else numpy
+            from runtime.backends.onnx_net import OnnxNet
+
+            net = OnnxNet(bundle.path(entry.backends["onnx"].files[0]), backend.providers, backend.threads,
+                          label=f"drafter {name}")
+        return DFlashDrafter(entry.spec, params, weights, embed, head, cache, source=where, net=net)
     raise BundleError(f"drafter kind {entry.kind!r} is not available in this runtime yet")
 
 

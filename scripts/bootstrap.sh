@@ -79,7 +79,7 @@ ros() {
 }
 
 bundles() {
-  local key; key=$(hash_of zoo/MANIFEST.yaml zoo/target/* zoo/draft/* zoo/medusa/* zoo/eagle1/* zoo/eagle3/* export/bundle_builder.py runtime/bundle.py export/onnx.py export/drafters/medusa.py export/drafters/eagle.py export/drafters/mtp_onnx.py export/drafters/medusa_onnx.py export/drafters/eagle_onnx.py)
+  local key; key=$(hash_of zoo/MANIFEST.yaml zoo/target/* zoo/draft/* zoo/medusa/* zoo/eagle1/* zoo/eagle3/* zoo/dflash/* zoo/dflash2/* export/bundle_builder.py runtime/bundle.py export/onnx.py export/drafters/medusa.py export/drafters/eagle.py export/drafters/dflash.py export/drafters/mtp_onnx.py export/drafters/medusa_onnx.py export/drafters/eagle_onnx.py export/drafters/dflash_onnx.py)
   if [ ! -f zoo/MANIFEST.yaml ]; then echo "== bootstrap: no zoo/ in this checkout; skipping the bundle"; return; fi
   if stamp_ok bundles "$key" && [ -f build/bundles/zoo/bundle.yaml ]; then echo "== bootstrap: zoo bundle up to date"; return; fi
   step "building the zoo bundle (build/bundles/zoo) from zoo/"
@@ -87,7 +87,8 @@ bundles() {
   local medusa=(); if [ -f zoo/medusa/medusa_lm_head.safetensors ]; then medusa=(--medusa zoo/medusa); fi
   local eagle=(); if [ -f zoo/eagle1/model.safetensors ]; then eagle+=(--eagle zoo/eagle1); fi
   if [ -f zoo/eagle3/model.safetensors ]; then eagle+=(--eagle3 zoo/eagle3); fi
-  "$VENV/bin/edgespec" bundle --target zoo/target --draft zoo/draft "${medusa[@]}" "${eagle[@]}" --out build/bundles/zoo --backends numpy_ref,onnx
+  local dflash=(); for d in dflash dflash2; do if [ -f zoo/$d/model.safetensors ]; then dflash+=(--dflash zoo/$d); fi; done
+  "$VENV/bin/edgespec" bundle --target zoo/target --draft zoo/draft "${medusa[@]}" "${eagle[@]}" "${dflash[@]}" --out build/bundles/zoo --backends numpy_ref,onnx
   stamp_set bundles "$key"
 }
 

@@ -34,9 +34,15 @@ EAGLE (eagle1, eagle3): one decoder layer trained with the training-time test (u
 own outputs, loss weights 0.8^j), written as config.json + model.safetensors (fp16) in the official layout
 (export/drafters/eagle.py). A real target needs the same data pipeline and, published heads report, on the
 order of a few GPU-days on ShareGPT/UltraChat-scale data for an 8B target.
+
+DFlash (dflash, dflash2): --layers Qwen3-style draft layers reading the target's layer outputs, trained on
+--anchors blocks per row (each of a length drawn from --block-sizes: the bundle gets one drafter per size),
+slot weights exp(-(t-1)/7); dflash2 adds local mixing and the candidate selector (--selector-rank, top-16).
+Written as config.json + model.safetensors (fp16) in the z-lab layout (export/drafters/dflash.py):
+  edgespec train-drafter dflash2 --target zoo/target --out zoo/dflash2 --layers 2 --minutes 12
 """
 
-KINDS = ("medusa", "eagle1", "eagle3")
+KINDS = ("medusa", "eagle1", "eagle3", "dflash", "dflash2")
 
 
 def register(sub) -> None:
@@ -51,7 +57,8 @@ def register(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --work")
     p.add_argument("--force", action="store_true", help="replace the drafter files already in --out")
     p.add_argument("--heads", type=int, default=4, help="medusa: number of heads, 1..16 (default 4)")
-    p.add_argument("--layers", type=int, default=1, help="medusa: ResBlocks per head, 0..8 (default 1)")
+    p.add_argument("--layers", type=int, default=1,
+                   help="medusa: ResBlocks per head, 0..8; dflash: draft layers, 1..8 (default 1)")
     p.add_argument("--steps", type=int, default=600, help="optimiser steps at most (default 600)")
     p.add_argument("--minutes", type=float, default=10.0, help="training time at most, in minutes (default 10)")
     p.add_argument("--batch", type=int, default=8, help="rows per step over all processes (default 8)")
@@ -62,6 +69,10 @@ def register(sub) -> None:
                    help="medusa: nodes at most of the tree tuned on the trained heads (default 32; 0 = no tree)")
     p.add_argument("--threads", type=int, default=2, help="torch threads over all processes (default 2)")
     p.add_argument("--unroll", type=int, default=4, help="eagle: training-time-test steps (default 4; official 7)")
+    p.add_argument("--block-sizes", default="8,16",
+                   help="dflash: block lengths trained, the largest is the config's block_size (default 8,16)")
+    p.add_argument("--anchors", type=int, default=32, help="dflash: blocks trained per row (default 32)")
+    p.add_argument("--selector-rank", type=int, default=64, help="dflash2: candidate selector rank (default 64)")
     p.set_defaults(func=run)
 
 
@@ -74,6 +85,18 @@ def _check(args) -> None:
                                 ("--threads", args.threads, 1, 256)):
         if not lo <= value <= hi:
             raise ConfigError(f"{flag}: got {value}, expected {lo}..{hi}")
+    if args.kind.startswith("dflash"):
+        try:
+            sizes = sorted({int(x) for x in args.block_sizes.split(",") if x.strip()})
+        except ValueError:
+            sizes = []
+        if not sizes or not all(2 <= b <= 64 for b in sizes):
+            raise ConfigError(f"--block-sizes: got {args.block_sizes!r}, expected comma-separated block lengths 2..64")
+        args.block_sizes = sizes
+        for flag, value, lo, hi in (("--layers", args.layers, 1, 8), ("--anchors", args.anchors, 1, 4096),
+                                    ("--selector-rank", args.selector_rank, 1, 4096)):
+            if not lo <= value <= hi:
+                raise ConfigError(f"{flag}: got {value}, expected {lo}..{hi}")
     if not args.minutes > 0 or not args.lr > 0:
         raise ConfigError(f"--minutes and --lr must be > 0, got {args.minutes} and {args.lr}")
     if not os.path.isfile(os.path.join(args.target, "config.json")):
@@ -108,6 +131,8 @@ def run(args) -> int:
     rank = Dist.from_env().rank
     data = build_token_data(os.path.join(args.target, "tokenizer.json"), work, cfg.seed, cfg.n_planner,
                             cfg.n_action, cfg.n_text, log if rank == 0 else (lambda _m: None))
+    if args.kind.startswith("dflash"):
+        return _train_dflash(args, cfg, work, target, data, rank, log)
     if args.kind != "medusa":
         return _train_eagle(args, cfg, work, target, data, rank, log)
     task = medusa_task(target, args.heads, args.layers)
@@ -161,3 +186,40 @@ def _train_eagle(args, cfg, work, target, data, rank, log) -> int:
                                                 "final": {k: round(v, 4) for k, v in result.last.items()}}})
     log(f"wrote {', '.join(files)} ({os.path.getsize(files[0]) / 2**20:.1f} MiB)")
     return 0
+
+
+def _train_dflash(args, cfg, work, target, data, rank, log) -> int:
+    from export.drafters.dflash_train import DFlashTask
+    from export.drafters.trainer import train
+    from runtime.prompts import PAD
+
+    from tokenizers import Tokenizer
+
+    mask = Tokenizer.from_file(os.path.join(args.target, "tokenizer.json")).token_to_id(PAD)
+    task = DFlashTask(args.kind, target, layers=args.layers, block_size=max(args.block_sizes),
+                      block_sizes=args.block_sizes, anchors=args.anchors, mask_token_id=0 if mask is None else mask,
+                      selector_rank=args.selector_rank)
+    say = log if rank == 0 else (lambda _m: None)
+    say(f"{args.kind}: {args.layers} layers ({sum(p.numel() for p in task.parameters()) / 1e6:.2f} M params) reading "
+        f"{', '.join(task.taps)}, blocks of {'/'.join(map(str, task.block_sizes))}, {args.anchors} per row, on "
+        f"{args.target}; up to {cfg.steps} steps of {cfg.batch}x{cfg.seq_len} tokens or {args.minutes:g} min")
+    result = train(task, target, data, cfg, work, resume=args.resume, log=log)
+    if torch_dist_initialized():
+        import torch.distributed
+
+        torch.distributed.destroy_process_group()
+    if rank != 0:
+        return 0
+    base = "zoo/target" if args.target.rstrip("/").endswith("zoo/target") else os.path.abspath(args.target)
+    files = task.export(args.out, {"base_model_name_or_path": base,
+                                   "training": {"command": "edgespec " + " ".join(sys.argv[1:]), "steps": result.steps,
+                                                "seconds": round(result.seconds, 1),
+                                                "final": {k: round(v, 4) for k, v in result.last.items()}}})
+    log(f"wrote {', '.join(files)} ({os.path.getsize(files[0]) / 2**20:.1f} MiB)")
+    return 0
+
+
+def torch_dist_initialized() -> bool:
+    import torch
+
+    return torch.distributed.is_available() and torch.distributed.is_initialized()

@@ -44,6 +44,7 @@ class DFlashCheckpoint:
     params: DFlashParams
     weights: Dict[str, np.ndarray]  # bf16 widened to float32; written back as bf16 (bf16_names)
     bf16_names: tuple = ()
+    other_block_sizes: tuple = ()  # smaller blocks it was also trained at (dflash_config.trained_block_sizes)
 
     @property
     def kind(self) -> str:
@@ -91,6 +92,10 @@ def read_dflash_checkpoint(path: str, target_spec: Optional[ModelSpec] = None) -
         if float(_draft_value(cfg, key, 1.0)) != 1.0:
             raise BundleError(f"{cfg_path}: {key} {_draft_value(cfg, key)!r} is not supported (expected 1.0)")
     params = DFlashParams.from_dict(fields, cfg_path)
+    trained = _draft_value(cfg, "trained_block_sizes", [params.block_size])
+    if not isinstance(trained, list) or not all(isinstance(b, int) and 2 <= b <= params.block_size for b in trained):
+        raise BundleError(f"{cfg_path}: dflash_config.trained_block_sizes: got {trained!r}, expected a list of block "
+                          f"sizes 2..block_size ({params.block_size})")
     weights = read_weights(path)
     target_hidden = spec.hidden_size
     if target_spec is not None:
@@ -100,7 +105,8 @@ def read_dflash_checkpoint(path: str, target_spec: Optional[ModelSpec] = None) -
     dtypes: Dict[str, str] = {}
     for full in shard_files(path):
         dtypes.update(safetensors_dtypes(full))
-    return DFlashCheckpoint(path, spec, params, weights, tuple(n for n in weights if dtypes.get(n) == "BF16"))
+    return DFlashCheckpoint(path, spec, params, weights, tuple(n for n in weights if dtypes.get(n) == "BF16"),
+                            tuple(sorted(set(trained) - {params.block_size})))
 
 
 def check_against_target(source: str, spec: ModelSpec, params: DFlashParams, target: ModelSpec) -> None:
@@ -119,12 +125,14 @@ def check_against_target(source: str, spec: ModelSpec, params: DFlashParams, tar
 
 
 def add_dflash_drafter(w: BundleWriter, path: str, target_spec: ModelSpec, name: Optional[str] = None) -> str:
-    """Write the checkpoint at `path` into the bundle being built by `w` as drafter `name` (default: its kind).
-    Returns the drafter's name."""
+    """Write the checkpoint at `path` into the bundle being built by `w` as drafter `name` (default: its kind),
+    and, for each smaller block size its config says it was trained at (edgespec's
+    dflash_config.trained_block_sizes), a drafter `<name>_b<size>` on the same file. Returns the name."""
     ck = read_dflash_checkpoint(path, target_spec)
     name = name or ck.kind
-    if name in w.manifest["drafters"]:
-        raise BundleError(f"{path}: the bundle already has a drafter named {name!r} (one {ck.kind} drafter per bundle "
+    taken = [n for n in [name] + [f"{name}_b{b}" for b in ck.other_block_sizes] if n in w.manifest["drafters"]]
+    if taken:
+        raise BundleError(f"{path}: the bundle already has a drafter named {taken[0]!r} (one {ck.kind} drafter per bundle "
                           "from `edgespec bundle --target DIR --dflash DIR --out DIR`)")
     rel = f"{name}/model.safetensors"
     write_safetensors(w.path(rel), ck.weights, bf16=ck.bf16_names)
@@ -134,6 +142,7 @@ def add_dflash_drafter(w: BundleWriter, path: str, target_spec: ModelSpec, name:
     if p.v2:
         params.update(conv_group_size=p.conv_group_size, conv_kernel_size=p.conv_kernel_size,
                       selector_rank=p.selector_rank, selector_top_k=p.selector_top_k)
-    w.add_drafter(name, ck.kind, files=[rel], params=params, spec=ck.spec,
-                  target_taps=[f"layer_out.{i}" for i in p.target_layer_ids])
+    for n, block in [(name, p.block_size)] + [(f"{name}_b{b}", b) for b in ck.other_block_sizes]:
+        w.add_drafter(n, ck.kind, files=[rel], params=dict(params, block_size=block), spec=ck.spec,
+                      target_taps=[f"layer_out.{i}" for i in p.target_layer_ids])
     return name

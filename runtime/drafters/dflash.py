@@ -164,7 +164,9 @@ class DFlashDrafter(Drafter):
     kind = "dflash"
 
     def __init__(self, spec: ModelSpec, params: DFlashParams, weights: Mapping[str, np.ndarray], embed: np.ndarray,
-                 head: np.ndarray, cache: KVCache, source: str = "dflash drafter"):
+                 head: np.ndarray, cache: KVCache, source: str = "dflash drafter", net=None):
+        """`net`: the block forward as an ONNX graph (runtime/backends/onnx_net.py OnnxNet, contract in
+        export/drafters/dflash_onnx.py); None runs it in numpy (the oracle the graph was checked against)."""
         check_dflash_weights(weights, spec, params, embed.shape[1], source)
         if embed.shape[1] != spec.hidden_size:
             raise BundleError(f"{source}: hidden_size {spec.hidden_size} differs from the target's {embed.shape[1]}; "
@@ -178,6 +180,12 @@ class DFlashDrafter(Drafter):
         self.target_taps = tuple(f"layer_out.{i}" for i in params.target_layer_ids)
         self.pending: List[np.ndarray] = []  # fused target taps of committed positions not yet in the cache
         self.last_walk: Optional[List[Tuple[np.ndarray, np.ndarray]]] = None  # DFlash-2: (candidates, q matrix)/slot
+        self.net = net
+        if net is not None:
+            layers = range(spec.num_layers)
+            net.require(["context", "block", "context_cos", "context_sin", "block_cos", "block_sin"]
+                        + [f"past_{kv}_{i}" for kv in ("key", "value") for i in layers],
+                        ["hidden"] + [f"new_{kv}_{i}" for kv in ("key", "value") for i in layers])
 
     @property
     def memory_bytes(self) -> int:
@@ -256,15 +264,27 @@ class DFlashDrafter(Drafter):
             raise RuntimeError(f"{self.kind} drafter: {start} cached + {c} pending context rows, but the anchor is at "
                                f"position {anchor_pos}; accept()/begin() were not called for every cycle")
         self.cache.check_room(c + block_size)
-        ctx = rms_norm(fused.astype(np.float32) @ self.w["fc.weight"].T, self.w["hidden_norm.weight"], eps)
         x = self.embed[np.asarray([anchor] + [self.p.mask_token_id] * (block_size - 1))].astype(np.float32)
         cos_c, sin_c = rope_cos_sin(self.inv_freq, np.arange(start, start + c))
         cos_b, sin_b = rope_cos_sin(self.inv_freq, np.arange(anchor_pos, anchor_pos + block_size))
-        for i in range(spec.num_layers):
-            x = self._layer(i, x, ctx, cos_c, sin_c, cos_b, sin_b)
+        if self.net is not None and c > 0 and block_size > 1:  # (ORT and zero-row inputs: numpy takes those)
+            feeds = {"context": fused.astype(np.float32), "block": x, "context_cos": cos_c, "context_sin": sin_c,
+                     "block_cos": cos_b, "block_sin": sin_b}
+            for i in range(spec.num_layers):
+                feeds[f"past_key_{i}"] = self.cache.k[:start, i]
+                feeds[f"past_value_{i}"] = self.cache.v[:start, i]
+            got = self.net.run(feeds)
+            for i in range(spec.num_layers):
+                self.cache.k[start:start + c, i] = got[f"new_key_{i}"]
+                self.cache.v[start:start + c, i] = got[f"new_value_{i}"]
+            out = got["hidden"]
+        else:
+            ctx = rms_norm(fused.astype(np.float32) @ self.w["fc.weight"].T, self.w["hidden_norm.weight"], eps)
+            for i in range(spec.num_layers):
+                x = self._layer(i, x, ctx, cos_c, sin_c, cos_b, sin_b)
+            out = rms_norm(x[1:], self.w["norm.weight"], eps)
         self.cache.length = start + c  # context rows persist; the block's rows are dropped
         self.pending = []
-        out = rms_norm(x[1:], self.w["norm.weight"], eps)
         return out, out @ self.head.T
 
     # -- drafting --------------------------------------------------------------------------------
