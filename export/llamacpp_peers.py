@@ -237,6 +237,7 @@ UNSUPPORTED = {
                        "layout, which llama.cpp's converter (DFlashModel, Qwen3-style draft) reads, so a bundle with "
                        "one could be converted as EAGLE-3 is; that path is not written or checked yet",
 }
+RUN_ATTEMPTS = 4  # see LlamaCppPeer.generate: a run whose last log lines were lost
 PEER_NAMES = tuple(SPEC_TYPES) + tuple(UNSUPPORTED)
 LABELS = {"llamacpp": "llama.cpp plain", "llamacpp_draft": f"llama.cpp draft k={DRAFT_N_MAX}",
           "llamacpp_ngram": f"llama.cpp ngram {NGRAM_SIZE_N}/{NGRAM_SIZE_M}",
@@ -269,7 +270,7 @@ def peer_command(name: str, tools: Dict[str, str], target_gguf: str, prompt_text
     else:
         argv += ["--spec-ngram-simple-size-n", str(NGRAM_SIZE_N), "--spec-ngram-simple-size-m", str(NGRAM_SIZE_M),
                  "--spec-draft-n-max", str(NGRAM_SIZE_M)]
-    return argv + ["--no-warmup"]
+    return argv
 
 
 _NUM = r"([0-9]+(?:\.[0-9]+)?)"
@@ -384,16 +385,27 @@ class LlamaCppPeer(Peer):
                                "cannot be given the same prompt")
         argv = peer_command(self.name, self.tools, self.target, text.decode("utf-8", "surrogateescape"),
                             max_tokens, draft_gguf=self.draft, threads=self.threads)
-        res = subprocess.run(argv, capture_output=True, timeout=600)
-        stderr = res.stderr.decode("utf-8", "replace")
-        if res.returncode != 0:
-            raise RuntimeError(f"{os.path.basename(argv[0])} exited with {res.returncode}: "
-                               f"{' / '.join(stderr.strip().splitlines()[-2:])[:300]}")
-        out, stats = parse_output(res.stdout, stderr, text, SPEC_TYPES[self.name] is not None)
+        for attempt in range(RUN_ATTEMPTS):
+            res = subprocess.run(argv, capture_output=True, timeout=600)
+            stderr = res.stderr.decode("utf-8", "replace")
+            if res.returncode != 0:
+                raise RuntimeError(f"{os.path.basename(argv[0])} exited with {res.returncode}: "
+                                   f"{' / '.join(stderr.strip().splitlines()[-2:])[:300]}")
+            try:
+                out, stats = parse_output(res.stdout, stderr, text, SPEC_TYPES[self.name] is not None)
+                break
+            except ValueError:
+                # llama.cpp's logger is a thread its tools do not flush at exit (it says so in common/log.cpp),
+                # so on a loaded machine the last lines (timings) can be lost: run again.
+                if attempt == RUN_ATTEMPTS - 1:
+                    raise
         full = self.vocab.tokenize(text + out)
         if full[:len(prompt_ids)] != [int(t) for t in prompt_ids]:
             raise RuntimeError("llama.cpp's printed output does not tokenise back onto the prompt")
         ids = cut_at_eos(full[len(prompt_ids):], self.eos)[:max_tokens]
+        made = int(stats.get("tokens", 0))
+        if made > len(ids) > 0:  # it verified past -n (a whole draft accepted at the end): time the tokens kept
+            stats["wall_s"] *= len(ids) / made
         self.drafted += int(stats.get("drafted", 0))
         self.accepted += int(stats.get("accepted", 0))
         return ids, stats

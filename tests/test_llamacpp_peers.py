@@ -91,3 +91,46 @@ def test_without_a_compiler_the_build_is_a_peer_row_naming_what_to_install(tmp_p
     monkeypatch.setenv("PATH", "")
     with pytest.raises(PeerUnavailable, match="cmake"):
         lp.build_tools(str(tmp_path), log=lambda m: None)
+
+
+# Recorded from the tools (zoo target f16 GGUF, planner prompt, 4 tokens), log prefixes as they print them.
+SPEC_STDOUT = b'\n\n<|bos|><|plan|>take the hammer<|sep|>[{"skill":"navigate\n\n\n\n'
+SPEC_STDERR = """0.00.323.496 I encoded   26 tokens in    0.063 seconds, speed:  412.607 t/s
+0.00.323.561 I decoded    4 tokens in    0.022 seconds, speed:  182.100 t/s
+0.00.323.570 I
+0.00.323.580 I n_draft   = 4
+0.00.323.590 I n_predict = 4
+0.00.323.600 I n_drafted = 3
+0.00.323.610 I n_accept  = 2
+0.00.323.620 I accept    = 66.667%
+0.00.324.427 I common_perf_print: prompt eval time =      92.28 ms /    28 tokens (    3.30 ms per token,   303.41 tokens per second)
+0.00.324.488 I common_perf_print:        eval time =       5.51 ms /     3 runs   (    1.84 ms per token,   544.07 tokens per second)
+"""
+PLAIN_STDERR = """0.00.222.325 I common_perf_print:    sampling time =       0.08 ms
+0.00.222.417 I common_perf_print:        load time =      27.75 ms
+0.00.222.524 I common_perf_print: prompt eval time =      27.04 ms /    26 tokens (    1.04 ms per token,   961.54 tokens per second)
+0.00.222.567 I common_perf_print:        eval time =       5.07 ms /     3 runs   (    1.69 ms per token,   591.72 tokens per second)
+0.00.222.608 I common_perf_print:       total time =      46.77 ms /    29 tokens
+"""
+
+
+def test_speculative_output_gives_the_generation_its_own_timings_and_draft_tallies():
+    text, stats = lp.parse_output(SPEC_STDOUT, SPEC_STDERR, b"<|bos|><|plan|>take the hammer<|sep|>", True)
+    assert text == b'[{"skill":"navigate'
+    assert stats["wall_s"] == pytest.approx(0.063 + 0.022)  # prompt + generation; load and warm-up excluded
+    assert (stats["drafted"], stats["accepted"], stats["tokens"], stats["cycles"]) == (3, 2, 4, 2)
+
+
+def test_plain_output_is_timed_by_prompt_eval_eval_and_sampling_not_load():
+    text, stats = lp.parse_output(b'[{"skill":"navigate', PLAIN_STDERR, b"ignored", False)
+    assert text == b'[{"skill":"navigate' and stats["wall_s"] == pytest.approx((27.04 + 5.07 + 0.08) / 1e3)
+
+
+def test_output_whose_timings_were_lost_is_refused_not_guessed():
+    # llama.cpp's logger thread may drop the last lines at exit on a loaded machine; the peer runs it again
+    with pytest.raises(ValueError, match="timings"):
+        lp.parse_output(SPEC_STDOUT, SPEC_STDERR.splitlines()[-1], b"<|bos|><|plan|>take the hammer<|sep|>", True)
+    with pytest.raises(ValueError, match="echo"):
+        lp.parse_output(b"\n\nsomething else", SPEC_STDERR, b"<|bos|>", True)
+    with pytest.raises(ValueError, match="timings"):
+        lp.parse_output(b"x", "load time = 3 ms\n", b"", False)
