@@ -237,7 +237,7 @@ UNSUPPORTED = {
                        "layout, which llama.cpp's converter (DFlashModel, Qwen3-style draft) reads, so a bundle with "
                        "one could be converted as EAGLE-3 is; that path is not written or checked yet",
 }
-RUN_ATTEMPTS = 4  # see LlamaCppPeer.generate: a run whose last log lines were lost
+RUN_ATTEMPTS = 8  # see LlamaCppPeer.generate: a run whose last log lines were lost
 PEER_NAMES = tuple(SPEC_TYPES) + tuple(UNSUPPORTED)
 LABELS = {"llamacpp": "llama.cpp plain", "llamacpp_draft": f"llama.cpp draft k={DRAFT_N_MAX}",
           "llamacpp_ngram": f"llama.cpp ngram {NGRAM_SIZE_N}/{NGRAM_SIZE_M}",
@@ -257,7 +257,7 @@ def peer_command(name: str, tools: Dict[str, str], target_gguf: str, prompt_text
               "--seed", "0", "-ngl", "0", "--no-escape"]
     spec = SPEC_TYPES[name]
     if spec is None:
-        return [tools["llama-completion"], *common, "-n", str(max_tokens), "-no-cnv", "--no-display-prompt",
+        return [tools["llama-completion"], *common, "-n", str(max_tokens), "-no-cnv", "--no-display-prompt", "-sp",
                 "--simple-io", "--no-warmup"]
     argv = [tools["llama-speculative-simple"], *common, "-n", str(max(max_tokens - 1, 0)), "--spec-type", spec]
     if spec.startswith("draft-"):

@@ -26,6 +26,7 @@ def test_plain_decoding_runs_llama_completion_greedy_on_the_target_gguf_for_exac
     assert _opt(argv, "-n") == "64" and _opt(argv, "--temp") == "0" and _opt(argv, "--top-k") == "1"
     assert _opt(argv, "-fa") == "off" and _opt(argv, "-t") == "2" and "--no-escape" in argv
     assert "--no-display-prompt" in argv and "-no-cnv" in argv and "-md" not in argv
+    assert "-sp" in argv  # special tokens printed (llama-speculative-simple prints them by default)
 
 
 def test_draft_simple_runs_the_bundles_draft_model_gguf_and_asks_for_one_token_fewer():
