@@ -310,7 +310,9 @@ def parse_output(stdout: bytes, stderr: str, prompt_text: bytes, speculative: bo
     if "prompt" not in times or "eval" not in times:
         raise ValueError("llama-completion printed no prompt eval / eval timings")
     stats["wall_s"] = sum(times.values())
-    return stdout, stats
+    text = stdout[:-2] if stdout.endswith(b"\n\n") else stdout  # printed once at the end, after the generation
+    end = b" [end of text]\n"  # llama-completion's note that the model emitted EOS (not the model's text)
+    return (text[:-len(end)] if text.endswith(end) else text), stats
 
 
 class GgufVocab:

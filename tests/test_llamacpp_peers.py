@@ -123,8 +123,10 @@ def test_speculative_output_gives_the_generation_its_own_timings_and_draft_talli
 
 
 def test_plain_output_is_timed_by_prompt_eval_eval_and_sampling_not_load():
-    text, stats = lp.parse_output(b'[{"skill":"navigate', PLAIN_STDERR, b"ignored", False)
+    text, stats = lp.parse_output(b'[{"skill":"navigate\n\n', PLAIN_STDERR, b"ignored", False)
     assert text == b'[{"skill":"navigate' and stats["wall_s"] == pytest.approx((27.04 + 5.07 + 0.08) / 1e3)
+    text, _ = lp.parse_output(b'[{"skill":"stop"}] [end of text]\n\n\n', PLAIN_STDERR, b"", False)
+    assert text == b'[{"skill":"stop"}]'  # its EOS note is not generated text
 
 
 def test_output_whose_timings_were_lost_is_refused_not_guessed():
