@@ -11,7 +11,6 @@ import pytest
 
 from export import llamacpp_peers as lp
 from export.peers import PeerModels, PeerUnavailable, open_peer
-from tests.test_cli import run_cli
 
 TOOLS = {t: f"/cache/bin/{t}" for t in lp.TOOLS}
 
