@@ -13,6 +13,9 @@ Peers (each needs the workstation packages; one that cannot run raises PeerUnava
                                       onnxruntime-genai: plain, its draft-model speculative decoding
                                       (max_draft_tokens 4), its n-gram decoding (ngram_size 3, 4 drafts);
                                       models built from the HF folders by its own model builder (cached)
+  llamacpp, llamacpp_draft, llamacpp_ngram (+ llamacpp_eagle3/_mtp/_dflash, rows saying why not)
+                                      llama.cpp's own tools on the bundle's GGUF files (export/llamacpp_peers.py:
+                                      built once from the vendored source, cached)
 Workstation side: this module may import torch; the runtime never imports it."""
 from __future__ import annotations
 
@@ -25,7 +28,9 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-PEER_NAMES = ("hf", "hf_assisted", "hf_lookup", "ortgenai", "ortgenai_draft", "ortgenai_ngram")
+PEER_NAMES = ("hf", "hf_assisted", "hf_lookup", "ortgenai", "ortgenai_draft", "ortgenai_ngram",
+              "llamacpp", "llamacpp_draft", "llamacpp_ngram", "llamacpp_eagle3", "llamacpp_mtp", "llamacpp_dflash")
+GGUF_PEERS = tuple(n for n in PEER_NAMES if n.startswith("llamacpp"))  # these read the bundle's GGUF files
 ORTGENAI_DRAFT_TOKENS = 4
 ORTGENAI_NGRAM_SIZE = 3
 HF_LOOKUP_TOKENS = 10
@@ -40,6 +45,9 @@ class PeerModels:
     target: str  # HF folder of the target (config.json + safetensors + tokenizer.json)
     draft: Optional[str] = None  # HF folder of the draft model, for the draft-model peers
     eos_ids: Tuple[int, ...] = ()  # the bundle's EOS ids: a peer's output is cut at the first
+    gguf_target: Optional[str] = None  # the bundle's target GGUF (the llama.cpp peers)
+    gguf_draft: Optional[str] = None  # the bundle's draft model GGUF (llama.cpp draft-simple)
+    threads: int = 0  # edgespec's backend.threads, which the llama.cpp peers are given too (0 = cores)
 
 
 class Peer:
@@ -207,11 +215,19 @@ FACTORIES: Dict[str, Callable[[str, PeerModels, str], Peer]] = {
 }
 
 
+def _llamacpp_peer(name: str, models: PeerModels, cache_dir: str) -> Peer:
+    from export.llamacpp_peers import LlamaCppPeer
+    return LlamaCppPeer(name, models, cache_dir, log=lambda m: print(m, file=sys.stderr, flush=True))
+
+
+FACTORIES.update({n: _llamacpp_peer for n in GGUF_PEERS})
+
+
 def open_peer(name: str, models: PeerModels, cache_dir: str) -> Peer:
     """The named peer, ready to generate, or PeerUnavailable saying why it cannot run here."""
     if name not in FACTORIES:
         raise PeerUnavailable(f"unknown peer {name!r}; known: {', '.join(PEER_NAMES)}")
-    if not os.path.isfile(os.path.join(models.target, "config.json")):
+    if name not in GGUF_PEERS and not os.path.isfile(os.path.join(models.target or "", "config.json")):
         raise PeerUnavailable(f"--peer-target {models.target}: no config.json there (an HF folder is needed)")
     try:
         return FACTORIES[name](name, models, cache_dir)

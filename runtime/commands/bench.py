@@ -94,7 +94,9 @@ def register(sub) -> None:
     p.add_argument("--peers", default="",
                    help="comma-separated peers to run on the same weights and prompts, greedy only, interleaved "
                         "with edgespec: hf, hf_assisted, hf_lookup (transformers), ortgenai, ortgenai_draft, "
-                        "ortgenai_ngram (onnxruntime-genai), or 'all'; needs the workstation packages and the HF "
+                        "ortgenai_ngram (onnxruntime-genai), llamacpp, llamacpp_draft, llamacpp_ngram (llama.cpp's "
+                        "own tools on the bundle's GGUF files, built once into .cache/; llamacpp_eagle3/_mtp/_dflash "
+                        "say why they cannot run), or 'all'; needs the workstation packages and the HF "
                         "folders below. A peer that cannot run gets a row saying why")
     p.add_argument("--peer-target", metavar="DIR",
                    help="HF folder of the target the peers load (default: zoo/target for the zoo bundle, "
@@ -198,12 +200,12 @@ def run(args) -> int:
     configs[CONTROL] = "none"
     sets = {**bench_prompts(fmt, [d for d in domains if d not in own]), **own}
     prompts = [(d, p) for d in domains for p in sets[d]]  # (domain, text)
-    wanted_peers = peer_request(args, bundle.name)
+    wanted_peers = peer_request(args, bundle.name, bundle)
     bandwidth = measure_bandwidth(128 << 20, 3)  # the bound this run's tok/s is read against, measured in the run
     sessions = {label: Session(replace(cfg, drafter=replace(cfg.drafter, kind=kind))) for label, kind in configs.items()}
     peers: Dict[str, object] = {}
     try:
-        peers, unavailable = open_peers(wanted_peers, sessions["none"].engine.eos)
+        peers, unavailable = open_peers(wanted_peers, sessions["none"].engine.eos, cfg.backend.threads)
         prompt_ids = [sessions["none"].tokenizer.encode(p) for _, p in prompts]
         max_tokens = cfg.generation.max_tokens
         for s in sessions.values():
@@ -224,10 +226,17 @@ def run(args) -> int:
                                               seed=cfg.generation.seed + 1000 * r + i)
                     k = (r * len(prompts) + i) % len(labels)  # rotated, so no configuration always runs first
                     for label in labels[k:] + labels[:k]:  # back to back: A B C, B C A, ...
-                        if label in peers and t != 0.0:
+                        if label not in sessions and (label not in peers or t != 0.0):
+                            continue  # peers run greedy only; one that failed in an earlier round is gone
+                        try:
+                            res = (run_peer(peers[label], prompt_ids[i], max_tokens) if label in peers
+                                   else sessions[label].generate(prompt, params))
+                        except Exception as exc:  # noqa: BLE001 - a peer failing on one prompt becomes its row
+                            if label not in peers:
+                                raise
+                            unavailable[label] = f"prompt {i}: {type(exc).__name__}: {str(exc).strip()[:300]}"
+                            peers.pop(label).close()
                             continue
-                        res = (run_peer(peers[label], prompt_ids[i], max_tokens) if label in peers
-                               else sessions[label].generate(prompt, params))
                         tallies[label, t, "all"].add(r, res)
                         tallies[label, t, domain].add(r, res)
             done = time.perf_counter() - start
@@ -304,12 +313,13 @@ def print_table(table: List[Dict[str, object]], bundle_name: str, prompts, domai
     if peers:
         print("\npeers, same weights and prompts, greedy, interleaved with the rows above (speedup: over edgespec's "
               "plain decoding; edgespec/peer: edgespec's best greedy row over the peer, median of per-round ratios)")
-        print(f"{'peer':24s} {'tok/s':>7s} {'speedup':>8s} {'tau':>5s} {'edgespec/peer':>14s}  identical")
+        print(f"{'peer':24s} {'tok/s':>7s} {'speedup':>8s} {'tau':>5s} {'accept':>6s} {'edgespec/peer':>14s}  identical")
         for t in peers:
             if "unavailable" in t:
                 print(f"{t['label']:24s} unavailable: {t['unavailable']}")
                 continue
             tau = f"{t['tau']:5.2f}" if t["tau"] else "    -"
             ident = {True: "yes", False: "NO", None: "n/a"}[t["identical_to_plain"]]
-            print(f"{t['label']:24s} {t['tokens_per_s']:7.1f} {t['speedup']:7.2f}x {tau} "
+            acc = f"{t['peer_accept']:6.2f}" if t.get("peer_accept") is not None else "     -"
+            print(f"{t['label']:24s} {t['tokens_per_s']:7.1f} {t['speedup']:7.2f}x {tau} {acc} "
                   f"{t['edgespec_best_over_peer']:13.2f}x  {ident}   ({t['edgespec_best']})")

@@ -43,10 +43,22 @@ class PeerRequest:
     names: List[str]
     target: str
     draft: Optional[str]
+    gguf_target: Optional[str] = None  # the bundle's GGUF files, which the llama.cpp peers run on
+    gguf_draft: Optional[str] = None
 
 
-def peer_request(args, bundle_name: str) -> Optional[PeerRequest]:
-    """The checked --peers request (None when no peers are asked for); ConfigError for a bad list or folder."""
+def bundle_ggufs(bundle) -> Tuple[Optional[str], Optional[str]]:
+    """(target GGUF, draft model GGUF) the bundle's manifest lists for backend gguf, or None each."""
+    def first(entry):
+        files = [f for f in (entry.files if entry else ()) if f.endswith(".gguf")]
+        return bundle.path(files[0]) if files else None
+    draft = next((d for d in bundle.drafters.values() if d.kind == "draft_model" and "gguf" in d.backends), None)
+    return first(bundle.target.backends.get("gguf")), first(draft.backends["gguf"] if draft else None)
+
+
+def peer_request(args, bundle_name: str, bundle=None) -> Optional[PeerRequest]:
+    """The checked --peers request (None when no peers are asked for); ConfigError for a bad list or folder.
+    The llama.cpp peers read the bundle's own GGUF files and need no HF folder."""
     text = (args.peers or "").strip()
     if not text:
         return None
@@ -58,17 +70,21 @@ def peer_request(args, bundle_name: str) -> Optional[PeerRequest]:
     names = list(peers.PEER_NAMES) if text == "all" else split_list("--peers", text, peers.PEER_NAMES)
     target, draft = default_peer_dirs(bundle_name)
     target, draft = args.peer_target or target, args.peer_draft or draft
-    if target is None:
+    gguf_only = all(n in getattr(peers, "GGUF_PEERS", ()) for n in names)
+    if target is None and not gguf_only:
         raise ConfigError(f"--peer-target: bundle {bundle_name!r} is not a zoo bundle; give the HF folder of its "
                           "target (--peer-target DIR, and --peer-draft DIR for the draft-model peers)")
-    return PeerRequest(peers, names, target, draft)
+    gguf_target, gguf_draft = bundle_ggufs(bundle) if bundle is not None else (None, None)
+    return PeerRequest(peers, names, target or "", draft, gguf_target, gguf_draft)
 
 
-def open_peers(req: Optional[PeerRequest], eos_ids) -> Tuple[Dict[str, object], Dict[str, str]]:
-    """({name: ready peer}, {name: why it cannot run})."""
+def open_peers(req: Optional[PeerRequest], eos_ids, threads: int = 0) -> Tuple[Dict[str, object], Dict[str, str]]:
+    """({name: ready peer}, {name: why it cannot run}); `threads`: edgespec's backend.threads, for the peers that
+    take a thread count (llama.cpp's tools)."""
     if req is None:
         return {}, {}
-    models = req.module.PeerModels(target=req.target, draft=req.draft, eos_ids=tuple(sorted(eos_ids)))
+    models = req.module.PeerModels(target=req.target, draft=req.draft, eos_ids=tuple(sorted(eos_ids)),
+                                   gguf_target=req.gguf_target, gguf_draft=req.gguf_draft, threads=threads)
     cache = os.path.join(edgespec_root(), ".cache", "peers")
     ready, unavailable = {}, {}
     for name in req.names:
@@ -85,9 +101,12 @@ def run_peer(peer, prompt_ids: List[int], max_tokens: int) -> PeerRun:
     t0 = time.perf_counter()
     ids, extra = peer.generate(prompt_ids, max_tokens)
     wall = time.perf_counter() - t0
+    wall = float(extra.get("wall_s", wall))  # a subprocess peer's own prompt + generation time (load excluded)
     stats = DecodeStats(tokens=len(ids), wall_s=wall, other_s=wall, drafter=peer.name)
     forwards = int(extra.get("target_forwards", 0))
-    if forwards > 1 and ids:  # the prefill gives the first token; each later forward, the rest
+    if extra.get("cycles"):  # target forwards after the prompt, as the peer counted them
+        stats.cycles, stats.tau = int(extra["cycles"]), float(extra.get("tokens", len(ids))) / int(extra["cycles"])
+    elif forwards > 1 and ids:  # the prefill gives the first token; each later forward, the rest
         stats.cycles, stats.tau = forwards - 1, (len(ids) - 1) / (forwards - 1)
     return PeerRun(list(ids), stats)
 
@@ -112,6 +131,7 @@ def peer_rows(peers, unavailable, tallies, table, bundle_name: str) -> List[Dict
             "edgespec_best": best["label"],
             "edgespec_best_over_peer": statistics.median(a / b for a, b in zip(best_tps, t.round_tps())),
             "identical_to_plain": t.outputs == plain.outputs,
+            "peer_accept": peer.accept_rate() if hasattr(peer, "accept_rate") else None,
         })
     for name, why in unavailable.items():
         rows.append({"drafter": f"peer:{name}", "label": name, "control": False, "temperature": 0.0, "peer": True,
