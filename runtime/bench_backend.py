@@ -34,19 +34,34 @@ from runtime.tensors import read_safetensors
 PROMPT = 64  # prompt tokens before the plain-decode measurement
 
 
-def measure_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+# "wall": elapsed time. "cpu": CPU seconds of this process (all its threads): on a time-sliced shared machine
+# it leaves out the time other processes held the cores, so it measures the work, not the queue (with one
+# intra-op thread and no spinning it equals wall time on an idle machine).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def measure_bandwidth(nbytes: int = 512 << 20, repeats: int = 5, clock=time.perf_counter) -> float:
     """Streaming bandwidth in bytes/s: the best of `repeats` copies of an nbytes array (read + write)."""
     src = np.ones(nbytes // 4, np.float32)
     dst = np.empty_like(src)
     np.copyto(dst, src)  # fault the pages in
-    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
+    best = min(_timed(lambda: np.copyto(dst, src), clock) for _ in range(repeats))
     return 2 * nbytes / best
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
+def measure_read_bandwidth(nbytes: int = 512 << 20, repeats: int = 3, clock=time.perf_counter) -> float:
+    """Bytes/s a matrix-vector product reads: the best of `repeats` numpy float32 GEMVs over an nbytes matrix
+    (what a decode step does with its weights; a read-only stream, unlike the copy of measure_bandwidth)."""
+    w = np.ones((4096, nbytes // 4 // 4096), np.float32)
+    x = np.ones(w.shape[1], np.float32)
+    w @ x  # fault the pages in
+    return nbytes / min(_timed(lambda: w @ x, clock) for _ in range(repeats))
+
+
+def _timed(fn, clock=time.perf_counter) -> float:
+    start = clock()
     fn()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def open_target(b: bundle_mod.Bundle, backend: str, positions: int, threads: int, profile_prefix: str = "",
@@ -78,20 +93,20 @@ def open_target(b: bundle_mod.Bundle, backend: str, positions: int, threads: int
     return NumpyTarget(spec, weights, cache)
 
 
-def time_one(target, context: int, t: int, rng: np.random.Generator) -> float:
+def time_one(target, context: int, t: int, rng: np.random.Generator, clock=time.perf_counter) -> float:
     """Seconds of one forward of t new tokens (causal) on a cache holding `context` rows. The rows'
     contents do not matter for timing, so the cache length is set directly and rolled back."""
     target.keep(0, [])
     target.cache.length = context
     tokens = rng.integers(0, target.spec.vocab_size, t)
-    return _timed(lambda: target.forward(tokens, np.arange(context, context + t)))
+    return _timed(lambda: target.forward(tokens, np.arange(context, context + t)), clock)
 
 
 CONTROL = "1 (control)"  # a second 1-token cell per context: its ratio to the first shows the noise floor
 
 
 def interleaved_grid(targets: Sequence, contexts: Sequence[int], news: Sequence[int], rounds: int,
-                     rng: np.random.Generator) -> Dict[Tuple, List[float]]:
+                     rng: np.random.Generator, clock=time.perf_counter) -> Dict[Tuple, List[float]]:
     """One forward per cell (configuration x new tokens x context, plus a CONTROL 1-token cell per
     configuration and context), every cell once per round in a fresh random order, so that load on shared
     cores hits all shapes and configurations alike (timing one shape after another let a busy minute land
@@ -102,7 +117,7 @@ def interleaved_grid(targets: Sequence, contexts: Sequence[int], news: Sequence[
     for r in range(rounds + 1):
         for i in rng.permutation(len(cells)):
             j, t, c = cells[i]
-            s = time_one(targets[j], c, 1 if t == CONTROL else t, rng)
+            s = time_one(targets[j], c, 1 if t == CONTROL else t, rng, clock)
             if r:
                 times[cells[i]].append(s)
     return times
@@ -143,17 +158,17 @@ def profile_ops(bundle_dir: str, context: int, t: int, steps: int, threads: int,
     return lines
 
 
-def decode_loop(target, prompt: np.ndarray, n: int):
+def decode_loop(target, prompt: np.ndarray, n: int, clock=time.perf_counter):
     """Plain greedy decoding of n tokens. Returns (seconds, seconds inside the backend's kernel call)."""
     target.reset()
     logits = target.forward(prompt, np.arange(len(prompt))).logits[-1]
     tok, pos, kernel = int(np.argmax(logits)), len(prompt), 0.0
-    start = time.perf_counter()
+    start = clock()
     for _ in range(n):
         logits = target.forward(np.array([tok]), np.array([pos])).logits[0]
         kernel += getattr(target, "last_run_s", 0.0)
         tok, pos = int(np.argmax(logits)), pos + 1
-    return time.perf_counter() - start, kernel
+    return clock() - start, kernel
 
 
 def verify_cycle_overhead(target, context: int, t: int, cycles: int, rng: np.random.Generator):
@@ -176,7 +191,7 @@ def verify_cycle_overhead(target, context: int, t: int, cycles: int, rng: np.ran
 
 def run(bundle_dirs: Sequence[str], backend: str, threads: Sequence[int], contexts: Sequence[int],
         news: Sequence[int], repeats: int, decode_tokens: int, precision: str = "auto",
-        spinning: Sequence[bool] = (False,), decode_rounds: int = 3) -> List[str]:
+        spinning: Sequence[bool] = (False,), decode_rounds: int = 3, clock: str = "wall") -> List[str]:
     """The tables for every configuration (bundle x threads x spinning), interleaved in one process."""
     rows = max(max(contexts) + max(news), PROMPT + decode_tokens) + 1
     configs, targets, lines = [], [], []
@@ -194,10 +209,11 @@ def run(bundle_dirs: Sequence[str], backend: str, threads: Sequence[int], contex
                              f"{getattr(target, 'threads', 'numpy')}, spinning {int(spin)}, weights "
                              f"{target.weight_bytes / 1e6:.1f} MB")
     rng = np.random.default_rng(0)
-    bw = measure_bandwidth()
-    lines.append(f"measured bandwidth {bw / 1e9:.1f} GB/s (numpy copy, 512 MB)")
+    tick = CLOCKS[clock]
+    bw = measure_bandwidth(clock=tick)
+    lines.append(f"measured bandwidth {bw / 1e9:.1f} GB/s (numpy copy, 512 MB); times are {clock} clock")
     news = [1] + [t for t in news if t != 1]
-    times = interleaved_grid(targets, contexts, news, repeats, rng)
+    times = interleaved_grid(targets, contexts, news, repeats, rng, tick)
     head = f"{'new tokens':>12s} | " + " | ".join(f"{'ctx %d' % c:>24s}" for c in contexts)
     for j, label in enumerate(configs):
         lines += ["", f"[{label}] ms per forward, median [min-max] of {repeats} interleaved rounds (every shape "
@@ -224,23 +240,28 @@ def run(bundle_dirs: Sequence[str], backend: str, threads: Sequence[int], contex
     n, vocab = decode_tokens, targets[0].spec.vocab_size
     tps: Dict[int, List[float]] = {j: [] for j in range(len(targets))}
     bound: Dict[int, List[float]] = {j: [] for j in range(len(targets))}
+    read_bound: Dict[int, List[float]] = {j: [] for j in range(len(targets))}
     kernel: Dict[int, float] = {}
     prompt = rng.integers(0, vocab, PROMPT)
     for _ in range(decode_rounds):
-        bw_round = measure_bandwidth(repeats=3)
+        bw_round = measure_bandwidth(repeats=3, clock=tick)
+        read_round = measure_read_bandwidth(clock=tick)
         for j in rng.permutation(len(targets)):
-            secs, kernel[j] = decode_loop(targets[j], prompt, n)
+            secs, kernel[j] = decode_loop(targets[j], prompt, n, tick)
             tps[j].append(n / secs)
             bound[j].append(bw_round / targets[j].weight_bytes)
+            read_bound[j].append(read_round / targets[j].weight_bytes)
     lines += ["", f"plain greedy decode ({n} tokens after a {PROMPT}-token prompt), {decode_rounds} interleaved rounds, "
                   "the bandwidth measured again in each round; median [min-max]"]
     for j, label in enumerate(configs):
         wbytes = targets[j].weight_bytes
         pct = [100 * x / y for x, y in zip(tps[j], bound[j])]
+        read_pct = [100 * x / y for x, y in zip(tps[j], read_bound[j])]
         lines.append(f"[{label}] {_spread(tps[j], '{:.1f}')} tok/s; bound {_spread(bound[j], '{:.1f}')} tok/s "
                      f"(bandwidth / weight bytes) -> {_spread(pct, '{:.0f}')}% of bound; achieved "
-                     f"{statistics.median(tps[j]) * wbytes / 1e9:.1f} GB/s")
-        if kernel.get(j):
+                     f"{statistics.median(tps[j]) * wbytes / 1e9:.1f} GB/s; {_spread(read_pct, '{:.0f}')}% of what a numpy "
+                     f"float32 GEMV reads ({statistics.median(read_bound[j]) * wbytes / 1e9:.1f} GB/s)")
+        if kernel.get(j) and clock == "wall":  # the kernel time is wall time
             secs = n / tps[j][-1]
             lines.append(f"[{label}] python overhead per decode step: {1e6 * (secs - kernel[j]) / n:.0f} us "
                          f"= {100 * (1 - kernel[j] / secs):.1f}% of the step (last round)")
@@ -269,6 +290,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=10, help="interleaved rounds")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--decode-rounds", type=int, default=3, help="interleaved rounds of the plain-decode measurement")
+    ap.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                    help="wall (elapsed) or cpu (this process's CPU seconds, all threads: what the work costs on a "
+                         "time-sliced shared machine; meaningless with --spinning 1)")
     ap.add_argument("--profile", metavar="PREFIX", default="",
                     help="instead of the tables: run ONNX Runtime's profiler (trace written to PREFIX_<date>.json) "
                          "over --repeats forwards of each --new-tokens at each --contexts and print ms per op type")
@@ -289,7 +313,7 @@ def _main(a: argparse.Namespace) -> int:
                         print(line, flush=True)
         return 0
     for line in run(a.bundle, a.backend, a.threads, a.contexts, a.new_tokens, a.repeats, a.decode_tokens, a.precision,
-                    [bool(x) for x in a.spinning], a.decode_rounds):
+                    [bool(x) for x in a.spinning], a.decode_rounds, a.clock):
         print(line, flush=True)
     return 0
 

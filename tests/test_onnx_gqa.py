@@ -96,3 +96,37 @@ def test_device_arena_path_gives_the_host_logits_bitwise_on_the_gqa_graph(export
     for i in range(spec.num_layers):
         for a, b in zip(host.layer_kv(i), dev.layer_kv(i)):
             np.testing.assert_array_equal(a, b)
+
+
+def test_export_refuses_gqa_attention_for_a_quantised_graph_and_leaves_the_bundle_unchanged(tiny_bundle, tmp_path):
+    """int8 activations magnify the op's batched-vs-one-row rounding into greedy mismatches (README), so the
+    combination is refused before anything is written."""
+    import os
+    import shutil
+
+    from export.onnx import add_onnx_to_bundle
+    from runtime.errors import ExportError
+
+    root = str(tmp_path / "b")
+    shutil.copytree(tiny_bundle, root)
+    before = sorted(os.listdir(root)), open(os.path.join(root, "bundle.yaml")).read()
+    with pytest.raises(ExportError, match="--attention gqa with --precision int8.*--precision int8`"):
+        add_onnx_to_bundle(root, "int8", attention="gqa")
+    assert (sorted(os.listdir(root)), open(os.path.join(root, "bundle.yaml")).read()) == before
+
+
+def test_export_cli_records_gqa_attention_and_the_head_major_layout_in_the_bundle(tiny_bundle, tmp_path, capsys):
+    import shutil
+
+    from runtime import bundle as bundle_mod
+    from runtime.cli import main
+
+    root = str(tmp_path / "b")
+    shutil.copytree(tiny_bundle, root)
+    assert main(["export", "--to", "onnx", "--bundle", root, "--attention", "gqa", "--no-validate"]) == 0
+    b = bundle_mod.load(root)
+    entry = b.target_files("onnx")
+    assert entry.params["attention"] == "gqa" and entry.params["kv_layout"] == "layer_head_major"
+    graph = next(f for f in entry.files if f.endswith(".onnx"))
+    target = OnnxTarget(b.target.spec, b.path(graph), arena_cache(b.target.spec))
+    assert target.shared_kv
