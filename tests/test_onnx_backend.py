@@ -317,9 +317,9 @@ def test_export_refuses_a_graph_that_differs_from_the_reference_and_leaves_the_b
     before = snapshot()
     real = onnx_export.export_decoder_onnx
 
-    def wrong_graph(spec, weights, out_path, taps=("final_norm",), precision="fp32"):
+    def wrong_graph(spec, weights, out_path, taps=("final_norm",), precision="fp32", attention="matmul"):
         weights = {**weights, "model.norm.weight": weights["model.norm.weight"] * 1.5}
-        return real(spec, weights, out_path, taps, precision)
+        return real(spec, weights, out_path, taps, precision, attention)
 
     monkeypatch.setattr(onnx_export, "export_decoder_onnx", wrong_graph)
     capsys.readouterr()
