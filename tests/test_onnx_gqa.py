@@ -142,3 +142,8 @@ def test_export_cli_records_gqa_attention_and_the_head_major_layout_in_the_bundl
     graph = next(f for f in entry.files if f.endswith(".onnx"))
     target = OnnxTarget(b.target.spec, b.path(graph), arena_cache(b.target.spec))
     assert target.shared_kv
+    from export.tensorrt import _models
+    from runtime.errors import BundleError
+
+    with pytest.raises(BundleError, match="GroupQueryAttention.*--precision fp16`"):  # TensorRT parses no contrib op
+        _models(b)
