@@ -19,6 +19,12 @@ each layer's past is one contiguous block bound by pointer: the graph never slic
 Attention is grouped per KV head (see `_attention`): no K/V head is repeated.
 T and P are dynamic. `kv` is float32 (precision fp32) or float16 (precision fp16).
 
+attention "gqa" (`--attention gqa`, params {"attention": "gqa", "kv_layout": "layer_head_major"}): attention is
+ONNX Runtime's contrib op GroupQueryAttention (export/onnx_gqa.py) and the K/V are one shared past/present buffer:
+  inputs   past_key_{i}    kv      (1, nkv, M, d)    layer i's whole block of the arena, head-major, M = its rows
+  outputs  present_key_{i} kv      (1, nkv, M, d)    bound to the SAME memory: the op writes rows [P, P+T)
+with P = (attention_mask width) - T; every other input and output as above.
+
 fp16: weights, activations and the K/V are float16; RMSNorm statistics, rope angles and softmax run
 in float32 (as HF does under autocast) and logits / taps leave the graph as float32. This halves the
 weight bytes a memory-bound decode streams and is the graph TensorRT / the CUDA EP want.
@@ -58,6 +64,8 @@ from runtime.tensors import read_safetensors
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16}
 OPSET = 18
 KV_LAYOUT = "layer_major"  # the runtime's view of its arena rows: (L, max_pos, nkv, d)
+ATTENTION = ("matmul", "gqa")  # grouped attention from MatMuls / ONNX Runtime's GroupQueryAttention
+KV_LAYOUTS = {"matmul": KV_LAYOUT, "gqa": "layer_head_major"}  # gqa: (L, nkv, max_pos, d), the op's BNSH per layer
 
 
 def input_names(num_layers: int) -> list:
@@ -65,9 +73,10 @@ def input_names(num_layers: int) -> list:
             + [f"past_value_{i}" for i in range(num_layers)])
 
 
-def output_names(taps: Sequence[str], num_layers: int) -> list:
-    return (["logits"] + [tap_output_name(t) for t in taps] + [f"new_key_{i}" for i in range(num_layers)]
-            + [f"new_value_{i}" for i in range(num_layers)])
+def output_names(taps: Sequence[str], num_layers: int, attention: str = "matmul") -> list:
+    kv = "present" if attention == "gqa" else "new"  # gqa: the whole shared buffer, written in place
+    return (["logits"] + [tap_output_name(t) for t in taps] + [f"{kv}_key_{i}" for i in range(num_layers)]
+            + [f"{kv}_value_{i}" for i in range(num_layers)])
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -87,11 +96,12 @@ class DecoderGraph(nn.Module):
     """One decoder-only model as an export-friendly module (see the module docstring for the contract)."""
 
     def __init__(self, spec: ModelSpec, weights: Mapping[str, np.ndarray], taps: Sequence[str], precision: str,
-                 names: Optional[Sequence[str]] = None):
+                 attention: str = "matmul", names: Optional[Sequence[str]] = None):
         """`names`: the weights to bake in (default: the whole decoder's); a graph built from this one's
-        blocks (an MTP module: export/drafters/mtp_onnx.py) names its own."""
+        blocks (an MTP module: export/drafters/mtp_onnx.py) names its own. `attention`: one of ATTENTION."""
         super().__init__()
         self.spec = spec
+        self.attention = attention
         self.dtype = PRECISIONS[precision]
         self.taps = list(taps)
         for t in self.taps:
@@ -138,8 +148,10 @@ class DecoderGraph(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # (T, 1, d)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
-    def decoder_layer(self, p: str, x, cos, sin, past_k, past_v, mask):
-        """One decoder layer (weights under prefix `p`) on x (T, H) -> (x', new K, new V (T, nkv, d))."""
+    def decoder_layer(self, p: str, x, cos, sin, past_k, past_v, mask, bias=None):
+        """One decoder layer (weights under prefix `p`) on x (T, H) -> (x', new K, new V (T, nkv, d)).
+        attention "gqa": `bias` is the mask as GroupQueryAttention's attention_bias (1, 1, T, P+T) and the
+        K/V returned are the op's present buffers (1, nkv, M, d)."""
         s = self.spec
         nh, nkv, d, eps = s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps
         t = x.shape[0]
@@ -151,7 +163,12 @@ class DecoderGraph(nn.Module):
             q = _rms_norm(q, self.w(p + "self_attn.q_norm.weight"), eps)
             k = _rms_norm(k, self.w(p + "self_attn.k_norm.weight"), eps)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        attn = self._attention(q, k, v, past_k, past_v, mask)
+        if self.attention == "gqa":
+            out, k, v = torch.ops.edgespec.gqa(q.reshape(1, t, nh * d), k.reshape(1, t, nkv * d),
+                                               v.reshape(1, t, nkv * d), past_k, past_v, bias, nh, nkv)
+            attn = out.reshape(t, nh * d)
+        else:
+            attn = self._attention(q, k, v, past_k, past_v, mask)
         x = x + self._linear(attn, p + "self_attn.o_proj")
         h = _rms_norm(x, self.w(p + "post_attention_layernorm.weight"), eps)
         gate = self._linear(h, p + "mlp.gate_proj")
@@ -162,11 +179,13 @@ class DecoderGraph(nn.Module):
         s = self.spec
         cos, sin = self.rope(position_ids)
         x = self.w("model.embed_tokens.weight")[input_ids]  # (T, H)
+        bias = attention_mask.to(self.dtype).reshape(1, 1, input_ids.shape[0], -1) if self.attention == "gqa" else None
         taps: Dict[str, torch.Tensor] = {}
         new_k, new_v = [], []
         for i in range(s.num_layers):
             taps[f"layer_in.{i}"] = x
-            x, k, v = self.decoder_layer(f"model.layers.{i}.", x, cos, sin, past_keys[i], past_values[i], attention_mask)
+            x, k, v = self.decoder_layer(f"model.layers.{i}.", x, cos, sin, past_keys[i], past_values[i], attention_mask,
+                                         bias)
             new_k.append(k)
             new_v.append(v)
             taps[f"layer_out.{i}"] = x
@@ -174,32 +193,41 @@ class DecoderGraph(nn.Module):
         taps["final_norm"] = h
         head = self.w("model.embed_tokens.weight") if s.tie_word_embeddings else self.w("lm_head.weight")
         logits = (h @ head.t()).float()  # (T, V)
-        return (logits, *[taps[n].float() for n in self.taps], *new_k, *new_v)  # new K/V: L x (T, nkv, d) each
+        return (logits, *[taps[n].float() for n in self.taps], *new_k, *new_v)  # L x (T, nkv, d) or gqa's presents
 
 
 def export_decoder_onnx(spec: ModelSpec, weights: Mapping[str, np.ndarray], out_path: str,
-                        taps: Sequence[str] = ("final_norm",), precision: str = "fp32") -> str:
+                        taps: Sequence[str] = ("final_norm",), precision: str = "fp32", attention: str = "matmul") -> str:
     """Export any decoder stack (target or draft model) to `out_path` (+ `out_path`.data with the weights).
     Returns out_path. The graph is checked with onnx.checker before returning."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: expected one of {sorted(PRECISIONS)}")
-    module = DecoderGraph(spec, weights, taps, precision).eval()
+    if attention not in ATTENTION:
+        raise ValueError(f"attention {attention!r}: expected one of {list(ATTENTION)}")
+    module = DecoderGraph(spec, weights, taps, precision, attention).eval()
     dt = PRECISIONS[precision]
     shape = cache_shape(spec)
-    t, p = 3, 5  # example sizes; both are exported as dynamic (avoid 0/1, which torch.export specialises)
-    kv = (p, shape.num_kv_heads, shape.head_dim)
+    t, p, m = 3, 5, 11  # example sizes; all exported as dynamic (avoid 0/1, which torch.export specialises)
+    kv = (1, shape.num_kv_heads, m, shape.head_dim) if attention == "gqa" else (p, shape.num_kv_heads, shape.head_dim)
     layers = range(spec.num_layers)
     args = (torch.zeros(t, dtype=torch.int64), torch.arange(p, p + t), torch.zeros(t, p + t),
             [torch.zeros(kv, dtype=dt) for _ in layers], [torch.zeros(kv, dtype=dt) for _ in layers])
-    T, P, S = torch.export.Dim("T"), torch.export.Dim("P"), torch.export.Dim("S")  # S = P+T, inferred
+    T, P, S = torch.export.Dim("T"), torch.export.Dim("P"), torch.export.Dim("S")  # S = P+T, inferred (matmul)
+    rows = {2: torch.export.Dim("M")} if attention == "gqa" else {0: P}
     dynamic = {"input_ids": {0: T}, "position_ids": {0: T}, "attention_mask": {0: T, 1: S},
-               "past_keys": [{0: P} for _ in layers], "past_values": [{0: P} for _ in layers]}
+               "past_keys": [rows for _ in layers], "past_values": [rows for _ in layers]}
+    translation = {}
+    if attention == "gqa":
+        from export import onnx_gqa
+
+        onnx_gqa.register_schema()
+        translation = onnx_gqa.TRANSLATION
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     with torch.no_grad():
         program = torch.onnx.export(module, args, dynamo=True, opset_version=OPSET,
                                     input_names=input_names(spec.num_layers),
-                                    output_names=output_names(taps, spec.num_layers),
-                                    dynamic_shapes=dynamic, verbose=False)
+                                    output_names=output_names(taps, spec.num_layers, attention),
+                                    dynamic_shapes=dynamic, custom_translation_table=translation, verbose=False)
     return save_program(program, out_path)
 
 
@@ -221,15 +249,15 @@ def save_program(program, out_path: str) -> str:
 
 
 def export_target_onnx(spec: ModelSpec, weights: Mapping[str, np.ndarray], out_path: str,
-                       taps: Sequence[str] = ("final_norm",), precision: str = "fp32") -> str:
+                       taps: Sequence[str] = ("final_norm",), precision: str = "fp32", attention: str = "matmul") -> str:
     """The target model as an ONNX graph (see the module docstring for inputs/outputs)."""
-    return export_decoder_onnx(spec, weights, out_path, taps, precision)
+    return export_decoder_onnx(spec, weights, out_path, taps, precision, attention)
 
 
 def export_draft_model_onnx(spec: ModelSpec, weights: Mapping[str, np.ndarray], out_path: str,
-                            precision: str = "fp32") -> str:
+                            precision: str = "fp32", attention: str = "matmul") -> str:
     """A draft model (a small decoder of the target's tokenizer) is one more decoder stack, no taps."""
-    return export_decoder_onnx(spec, weights, out_path, (), precision)
+    return export_decoder_onnx(spec, weights, out_path, (), precision, attention)
 
 
 def share_initializers(graph_path: str, source_path: str, min_bytes: int = 4096) -> int:
@@ -346,7 +374,7 @@ def check_against_reference(label: str, err: float, precision: str) -> None:
 
 def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[Sequence[str]] = None,
                        validate: bool = True, block_size: int = 32,
-                       accuracy_level: Optional[int] = None) -> Tuple[str, ...]:
+                       accuracy_level: Optional[int] = None, attention: str = "matmul") -> Tuple[str, ...]:
     """Export the bundle's target (from its numpy_ref safetensors) to ONNX and register it as backend
     "onnx"; likewise every `draft_model` drafter that has a spec and safetensors, and every MTP module.
     Taps default to every tap the bundle's drafters read, plus final_norm. Returns the new files (relative to the bundle).
@@ -354,6 +382,9 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
     precision int8 / int4: the target's fp32 graph, weight-only quantised by ONNX Runtime's MatMulNBits
     quantiser (export/onnx_quantize.py, blocks of `block_size`), registered NEXT to the float graph as
     entry "onnx.int8" / "onnx.int4" (`backend.precision` selects it); drafters are not quantised.
+
+    attention "gqa": every graph's attention is ONNX Runtime's GroupQueryAttention over a shared past/present
+    buffer (export/onnx_gqa.py; recorded as params attention / kv_layout), "matmul" the grouped MatMuls.
 
     Every graph is written into a scratch directory inside the bundle and checked against the numpy
     reference there (validate=True); only when all pass do they move into onnx/ and bundle.yaml change.
@@ -367,6 +398,13 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
     if precision not in ONNX_PRECISIONS:
         raise ValueError(f"precision {precision!r}: expected one of {list(ONNX_PRECISIONS)}")
     quantised = precision in BITS
+    if quantised and attention == "gqa":
+        # Measured on the zoo: the op's T-row and 1-row paths round differently and int8 activation rounding
+        # magnifies that to logit gaps of ~1e-3, so a speculative greedy output left plain greedy's (README).
+        raise ExportError(f"--attention gqa with --precision {precision}: not exported, because greedy speculative "
+                          "output on such a graph differed from plain greedy output beyond float near-ties; export "
+                          f"the {precision} graph with the default attention: `edgespec export --to onnx --bundle "
+                          f"{bundle_dir} --precision {precision}`")
     level = ACCURACY_LEVEL.get(precision, 0) if accuracy_level is None else accuracy_level
     rel = f"onnx/target.{precision}.onnx"
     graphs = [("target", rel, b.target.spec, weights, tuple(taps))]
@@ -387,10 +425,11 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
         for label, grel, spec, w, gtaps in graphs:
             staged = os.path.join(staging, os.path.basename(grel))
             if quantised:
-                float_graph = export_decoder_onnx(spec, w, os.path.join(staging, "float.fp32.onnx"), gtaps, "fp32")
+                float_graph = export_decoder_onnx(spec, w, os.path.join(staging, "float.fp32.onnx"), gtaps, "fp32",
+                                                  attention)
                 quantize_graph(float_graph, staged, precision, spec.vocab_size, block_size, level)
             else:
-                export_decoder_onnx(spec, w, staged, gtaps, precision)
+                export_decoder_onnx(spec, w, staged, gtaps, precision, attention)
             if label != "target":  # a vocab matrix the draft shares with the target is stored once
                 share_initializers(staged, os.path.join(staging, os.path.basename(rel)))
             if validate:
@@ -426,7 +465,9 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
     written = []
     for label, grel, _, _, gtaps in graphs:
         files = [grel, grel + ".data"]
-        params = {"precision": precision, "taps": list(gtaps), "kv_layout": KV_LAYOUT}
+        params = {"precision": precision, "taps": list(gtaps), "kv_layout": KV_LAYOUTS[attention]}
+        if attention != "matmul":
+            params["attention"] = attention
         if quantised:
             params.update(block_size=block_size, accuracy_level=level,
                           quantizer="onnxruntime MatMulNBits, symmetric, LM head float32")

@@ -30,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=None,
                    help="onnx int8/int4: MatMulNBits' accuracy_level, 0 = float32 compute, 4 = int8 activations and "
                         "integer dot products (default: the faster one measured on CPU, see export/onnx_quantize.py)")
+    p.add_argument("--attention", choices=("matmul", "gqa"), default="matmul",
+                   help="onnx: matmul (default: grouped-query attention from MatMuls, runs on every provider) or gqa "
+                        "(ONNX Runtime's contrib op GroupQueryAttention over one shared past/present K/V buffer, the "
+                        "op the CUDA provider fuses; tree masks go in as its attention_bias; checked with onnxruntime 1.32)")
     p.add_argument("--taps", nargs="+", metavar="TAP", default=None,
                    help="onnx: hidden states to export as extra outputs: final_norm, layer_in.I, layer_out.I. "
                         "Default: every tap the bundle's drafters read, plus final_norm")
@@ -92,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
             raise BackendError(f"the ONNX export needs the workstation side ({exc.name} is missing): run it on a "
                                "workstation with `pip install edgespec[export]` and copy the bundle to the robot") from None
         files = add_onnx_to_bundle(args.bundle, args.precision or "fp32", args.taps, validate=not args.no_validate,
-                                   block_size=args.block_size, accuracy_level=args.accuracy_level)
+                                   block_size=args.block_size, accuracy_level=args.accuracy_level,
+                                   attention=args.attention)
     for f in files:
         print(f"wrote {args.bundle}/{f}")
     return 0

@@ -152,6 +152,10 @@ def _models(b) -> List[Tuple[str, object, str, Mapping]]:
 
 
 def _graph(b, label: str, entry) -> str:
+    if entry.params.get("attention", "matmul") != "matmul":  # a com.microsoft op TensorRT's parser does not know
+        raise BundleError(f"{b.root}: the {label}'s ONNX graph uses ONNX Runtime's GroupQueryAttention "
+                          f"(--attention {entry.params['attention']}); engines are built from the default graphs: "
+                          f"`edgespec export --to onnx --bundle {b.root} --precision fp16`")
     graphs = [f for f in entry.files if f.endswith(".onnx")]
     if not graphs:
         raise BundleError(f"{b.root}: the ONNX entry of the {label} lists no .onnx graph; re-export it with "

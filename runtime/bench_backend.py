@@ -1,6 +1,7 @@
 """Benchmark a bundle's target backend (runs on the robot: numpy + onnxruntime, no torch).
 
     python -m runtime.bench_backend --bundle build/bundles/zoo [--backend onnx] [--threads N]
+    python -m runtime.bench_backend --bundle OLD NEW --threads 1 2 --spinning 0 1   # configurations side by side
 
 Prints, in the roofline habit:
   * measured memory bandwidth (a numpy copy of a >= 512 MB array: bytes read + bytes written / time)
@@ -10,6 +11,9 @@ Prints, in the roofline habit:
   * step time vs context (1 new token): it must stay flat apart from attention
   * plain greedy decode tokens/s vs the bound bandwidth / weight bytes, as a percentage
   * Python overhead per cycle (time outside the backend's kernel call) as a share of the cycle
+Several bundles / thread counts / spinning settings are configurations A, B, ... opened in ONE process and
+interleaved in every round (forwards and decode runs alike), with each one's ratio to A per round; the
+bandwidth is measured again in every decode round, so "% of bound" has a spread.
 """
 from __future__ import annotations
 
@@ -30,23 +34,38 @@ from runtime.tensors import read_safetensors
 PROMPT = 64  # prompt tokens before the plain-decode measurement
 
 
-def measure_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+# "wall": elapsed time. "cpu": CPU seconds of this process (all its threads): on a time-sliced shared machine
+# it leaves out the time other processes held the cores, so it measures the work, not the queue (with one
+# intra-op thread and no spinning it equals wall time on an idle machine).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def measure_bandwidth(nbytes: int = 512 << 20, repeats: int = 5, clock=time.perf_counter) -> float:
     """Streaming bandwidth in bytes/s: the best of `repeats` copies of an nbytes array (read + write)."""
     src = np.ones(nbytes // 4, np.float32)
     dst = np.empty_like(src)
     np.copyto(dst, src)  # fault the pages in
-    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
+    best = min(_timed(lambda: np.copyto(dst, src), clock) for _ in range(repeats))
     return 2 * nbytes / best
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
+def measure_read_bandwidth(nbytes: int = 512 << 20, repeats: int = 3, clock=time.perf_counter) -> float:
+    """Bytes/s a matrix-vector product reads: the best of `repeats` numpy float32 GEMVs over an nbytes matrix
+    (what a decode step does with its weights; a read-only stream, unlike the copy of measure_bandwidth)."""
+    w = np.ones((4096, nbytes // 4 // 4096), np.float32)
+    x = np.ones(w.shape[1], np.float32)
+    w @ x  # fault the pages in
+    return nbytes / min(_timed(lambda: w @ x, clock) for _ in range(repeats))
+
+
+def _timed(fn, clock=time.perf_counter) -> float:
+    start = clock()
     fn()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def open_target(b: bundle_mod.Bundle, backend: str, positions: int, threads: int, profile_prefix: str = "",
-                precision: str = "auto"):
+                precision: str = "auto", spinning: bool = False):
     """The bundle's target on `backend` (onnx: its graph of `precision`) with a fresh arena for `positions` rows."""
     spec = b.target.spec
     if backend == "onnx":
@@ -57,7 +76,7 @@ def open_target(b: bundle_mod.Bundle, backend: str, positions: int, threads: int
         cache = KVArena.for_context({"target": cache_shape(spec)}, positions, dtype).allocate("target", cache_shape(spec), positions)
         model = next(f for f in files.files if f.endswith(".onnx"))
         return OnnxTarget(spec, b.path(model), cache, threads=threads, tap_names=files.params.get("taps", ()),
-                          profile_prefix=profile_prefix)
+                          profile_prefix=profile_prefix, spinning=spinning)
     if backend == "tensorrt":
         from runtime.backends.factory import open_model
         from runtime.config import BackendConfig
@@ -74,30 +93,31 @@ def open_target(b: bundle_mod.Bundle, backend: str, positions: int, threads: int
     return NumpyTarget(spec, weights, cache)
 
 
-def time_one(target, context: int, t: int, rng: np.random.Generator) -> float:
+def time_one(target, context: int, t: int, rng: np.random.Generator, clock=time.perf_counter) -> float:
     """Seconds of one forward of t new tokens (causal) on a cache holding `context` rows. The rows'
     contents do not matter for timing, so the cache length is set directly and rolled back."""
     target.keep(0, [])
     target.cache.length = context
     tokens = rng.integers(0, target.spec.vocab_size, t)
-    return _timed(lambda: target.forward(tokens, np.arange(context, context + t)))
+    return _timed(lambda: target.forward(tokens, np.arange(context, context + t)), clock)
 
 
 CONTROL = "1 (control)"  # a second 1-token cell per context: its ratio to the first shows the noise floor
 
 
-def interleaved_grid(target, contexts: Sequence[int], news: Sequence[int], rounds: int,
-                     rng: np.random.Generator) -> Dict[Tuple, List[float]]:
-    """One forward per cell (new tokens x context, plus a CONTROL 1-token cell per context), every cell
-    once per round in a fresh random order, so that load on shared cores hits all shapes alike (timing
-    one shape after another let a busy minute land on one shape). A first round warms each shape up and
-    is dropped. Returns {(t, context): [seconds per round]}."""
-    cells = [(t, c) for t in news for c in contexts] + [(CONTROL, c) for c in contexts]
+def interleaved_grid(targets: Sequence, contexts: Sequence[int], news: Sequence[int], rounds: int,
+                     rng: np.random.Generator, clock=time.perf_counter) -> Dict[Tuple, List[float]]:
+    """One forward per cell (configuration x new tokens x context, plus a CONTROL 1-token cell per
+    configuration and context), every cell once per round in a fresh random order, so that load on shared
+    cores hits all shapes and configurations alike (timing one shape after another let a busy minute land
+    on one shape). A first round warms each shape up and is dropped.
+    Returns {(configuration index, t, context): [seconds per round]}."""
+    cells = [(j, t, c) for j in range(len(targets)) for t in list(news) + [CONTROL] for c in contexts]
     times: Dict[Tuple, List[float]] = {cell: [] for cell in cells}
     for r in range(rounds + 1):
         for i in rng.permutation(len(cells)):
-            t, c = cells[i]
-            s = time_one(target, c, 1 if t == CONTROL else t, rng)
+            j, t, c = cells[i]
+            s = time_one(targets[j], c, 1 if t == CONTROL else t, rng, clock)
             if r:
                 times[cells[i]].append(s)
     return times
@@ -109,14 +129,15 @@ def _spread(xs: Sequence[float], fmt: str) -> str:
 
 
 def profile_ops(bundle_dir: str, context: int, t: int, steps: int, threads: int, prefix: str,
-                precision: str = "auto") -> List[str]:
+                precision: str = "auto", spinning: bool = False) -> List[str]:
     """Run `steps` forwards of t new tokens at `context` under ONNX Runtime's profiler and summarise its
     JSON trace: milliseconds per step by op type (kernel time, summed over nodes), largest first."""
     import json
     from collections import defaultdict
 
     b = bundle_mod.load(bundle_dir, verify_checksums=False)
-    target = open_target(b, "onnx", context + t + 1, threads, profile_prefix=prefix, precision=precision)
+    target = open_target(b, "onnx", context + t + 1, threads, profile_prefix=prefix, precision=precision,
+                         spinning=spinning)
     rng = np.random.default_rng(0)
     for _ in range(steps):
         time_one(target, context, t, rng)
@@ -137,17 +158,17 @@ def profile_ops(bundle_dir: str, context: int, t: int, steps: int, threads: int,
     return lines
 
 
-def decode_loop(target, prompt: np.ndarray, n: int):
+def decode_loop(target, prompt: np.ndarray, n: int, clock=time.perf_counter):
     """Plain greedy decoding of n tokens. Returns (seconds, seconds inside the backend's kernel call)."""
     target.reset()
     logits = target.forward(prompt, np.arange(len(prompt))).logits[-1]
     tok, pos, kernel = int(np.argmax(logits)), len(prompt), 0.0
-    start = time.perf_counter()
+    start = clock()
     for _ in range(n):
         logits = target.forward(np.array([tok]), np.array([pos])).logits[0]
         kernel += getattr(target, "last_run_s", 0.0)
         tok, pos = int(np.argmax(logits)), pos + 1
-    return time.perf_counter() - start, kernel
+    return clock() - start, kernel
 
 
 def verify_cycle_overhead(target, context: int, t: int, cycles: int, rng: np.random.Generator):
@@ -168,63 +189,110 @@ def verify_cycle_overhead(target, context: int, t: int, cycles: int, rng: np.ran
     return total / cycles, 1 - kernel / total
 
 
-def run(bundle_dir: str, backend: str, threads: int, contexts: Sequence[int], news: Sequence[int],
-        repeats: int, decode_tokens: int, precision: str = "auto") -> List[str]:
-    b = bundle_mod.load(bundle_dir, verify_checksums=False)
+def run(bundle_dirs: Sequence[str], backend: str, threads: Sequence[int], contexts: Sequence[int],
+        news: Sequence[int], repeats: int, decode_tokens: int, precision: str = "auto",
+        spinning: Sequence[bool] = (False,), decode_rounds: int = 3, clock: str = "wall") -> List[str]:
+    """The tables for every configuration (bundle x threads x spinning), interleaved in one process."""
     rows = max(max(contexts) + max(news), PROMPT + decode_tokens) + 1
-    target = open_target(b, backend, rows, threads, precision=precision)
+    configs, targets, lines = [], [], []
+    for d in bundle_dirs:
+        b = bundle_mod.load(d, verify_checksums=False)
+        for th in threads:
+            for spin in spinning:
+                label = chr(ord("A") + len(configs))
+                target = open_target(b, backend, rows, th, precision=precision, spinning=spin)
+                configs.append(label)
+                targets.append(target)
+                spec = b.target.spec
+                lines.append(f"{label}: bundle {d} ({b.name}: {spec.family}, {spec.num_layers} layers, hidden "
+                             f"{spec.hidden_size}, vocab {spec.vocab_size}); backend {backend} ({precision}), threads "
+                             f"{getattr(target, 'threads', 'numpy')}, spinning {int(spin)}, weights "
+                             f"{target.weight_bytes / 1e6:.1f} MB")
     rng = np.random.default_rng(0)
-    bw = measure_bandwidth()
-    wbytes = target.weight_bytes
-    lines = [f"bundle {b.name}: {b.target.spec.family}, {b.target.spec.num_layers} layers, hidden {b.target.spec.hidden_size}, "
-             f"vocab {b.target.spec.vocab_size}; backend {backend} ({precision}), threads {getattr(target, 'threads', 'numpy')}",
-             f"weights {wbytes / 1e6:.1f} MB; measured bandwidth {bw / 1e9:.1f} GB/s (numpy copy, 512 MB)"]
+    tick = CLOCKS[clock]
+    bw = measure_bandwidth(clock=tick)
+    lines.append(f"measured bandwidth {bw / 1e9:.1f} GB/s (numpy copy, 512 MB); times are {clock} clock")
     news = [1] + [t for t in news if t != 1]
-    times = interleaved_grid(target, contexts, news, repeats, rng)
-    rows = news + [CONTROL]
+    times = interleaved_grid(targets, contexts, news, repeats, rng, tick)
     head = f"{'new tokens':>12s} | " + " | ".join(f"{'ctx %d' % c:>24s}" for c in contexts)
-    lines += ["", f"ms per forward, median [min-max] of {repeats} interleaved rounds (every shape once per round, "
-                  "random order)", head]
-    for t in rows:
-        lines.append(f"{t:>12} | " + " | ".join(f"{_spread([1e3 * x for x in times[t, c]], '{:.2f}'):>24s}"
-                                                for c in contexts))
-    lines += ["", "verify cost / a 1-token step at the same context (ratio within each round, median [min-max]); "
-                  "the control row is 1 token vs 1 token", head]
-    for t in rows[1:]:
-        lines.append(f"{t:>12} | " + " | ".join(
-            f"{_spread([x / y for x, y in zip(times[t, c], times[1, c])], '{:.2f}x'):>24s}" for c in contexts))
-    steps = [statistics.median(times[1, c]) for c in contexts]
-    lines += ["", "step time vs context (1 new token): " +
-              "  ".join(f"{c}: {1e3 * s:.2f} ms" for c, s in zip(contexts, steps)) +
-              f"  (x{steps[-1] / steps[0]:.2f} from {contexts[0]} to {contexts[-1]})"]
-    n = decode_tokens
-    secs, kernel = decode_loop(target, rng.integers(0, b.target.spec.vocab_size, PROMPT), n)
-    tps, bound = n / secs, bw / wbytes
-    lines += ["", f"plain greedy decode ({n} tokens after a {PROMPT}-token prompt): {tps:.1f} tok/s; "
-                  f"bound {bound:.1f} tok/s (bandwidth / weight bytes) -> {100 * tps / bound:.0f}% of bound; "
-                  f"achieved {tps * wbytes / 1e9:.1f} GB/s"]
-    if kernel:
-        lines.append(f"python overhead per decode step: {1e6 * (secs - kernel) / n:.0f} us "
-                     f"= {100 * (1 - kernel / secs):.1f}% of the step")
-        ctx, nodes = min(512, max(contexts)), min(8, max(news))
-        cyc, share = verify_cycle_overhead(target, ctx, nodes, 20, rng)
-        lines.append(f"python overhead per verify cycle ({nodes}-node tree at ctx {ctx}, forward + keep): "
-                     f"{1e6 * cyc * share:.0f} us = {100 * share:.1f}% of a {1e3 * cyc:.2f} ms cycle")
+    for j, label in enumerate(configs):
+        lines += ["", f"[{label}] ms per forward, median [min-max] of {repeats} interleaved rounds (every shape "
+                      "once per round, random order)", head]
+        for t in news + [CONTROL]:
+            lines.append(f"{t:>12} | " + " | ".join(f"{_spread([1e3 * x for x in times[j, t, c]], '{:.2f}'):>24s}"
+                                                    for c in contexts))
+        lines += ["", f"[{label}] verify cost / a 1-token step at the same context (ratio within each round, "
+                      "median [min-max]); the control row is 1 token vs 1 token", head]
+        for t in news[1:] + [CONTROL]:
+            lines.append(f"{t:>12} | " + " | ".join(
+                f"{_spread([x / y for x, y in zip(times[j, t, c], times[j, 1, c])], '{:.2f}x'):>24s}" for c in contexts))
+        steps = [statistics.median(times[j, 1, c]) for c in contexts]
+        lines += ["", f"[{label}] step time vs context (1 new token): " +
+                  "  ".join(f"{c}: {1e3 * s:.2f} ms" for c, s in zip(contexts, steps)) +
+                  f"  (x{steps[-1] / steps[0]:.2f} from {contexts[0]} to {contexts[-1]})"]
+        if j:
+            lines += ["", f"[{label}] time / [A] time for the same shape (ratio within each round, median [min-max])", head]
+            for t in news:
+                lines.append(f"{t:>12} | " + " | ".join(
+                    f"{_spread([x / y for x, y in zip(times[j, t, c], times[0, t, c])], '{:.2f}x'):>24s}"
+                    for c in contexts))
+    # Plain decode, every configuration once per round in a random order, the bandwidth measured in each round.
+    n, vocab = decode_tokens, targets[0].spec.vocab_size
+    tps: Dict[int, List[float]] = {j: [] for j in range(len(targets))}
+    bound: Dict[int, List[float]] = {j: [] for j in range(len(targets))}
+    read_bound: Dict[int, List[float]] = {j: [] for j in range(len(targets))}
+    kernel: Dict[int, float] = {}
+    prompt = rng.integers(0, vocab, PROMPT)
+    for _ in range(decode_rounds):
+        bw_round = measure_bandwidth(repeats=3, clock=tick)
+        read_round = measure_read_bandwidth(clock=tick)
+        for j in rng.permutation(len(targets)):
+            secs, kernel[j] = decode_loop(targets[j], prompt, n, tick)
+            tps[j].append(n / secs)
+            bound[j].append(bw_round / targets[j].weight_bytes)
+            read_bound[j].append(read_round / targets[j].weight_bytes)
+    lines += ["", f"plain greedy decode ({n} tokens after a {PROMPT}-token prompt), {decode_rounds} interleaved rounds, "
+                  "the bandwidth measured again in each round; median [min-max]"]
+    for j, label in enumerate(configs):
+        wbytes = targets[j].weight_bytes
+        pct = [100 * x / y for x, y in zip(tps[j], bound[j])]
+        read_pct = [100 * x / y for x, y in zip(tps[j], read_bound[j])]
+        lines.append(f"[{label}] {_spread(tps[j], '{:.1f}')} tok/s; bound {_spread(bound[j], '{:.1f}')} tok/s "
+                     f"(bandwidth / weight bytes) -> {_spread(pct, '{:.0f}')}% of bound; achieved "
+                     f"{statistics.median(tps[j]) * wbytes / 1e9:.1f} GB/s; {_spread(read_pct, '{:.0f}')}% of what a numpy "
+                     f"float32 GEMV reads ({statistics.median(read_bound[j]) * wbytes / 1e9:.1f} GB/s)")
+        if kernel.get(j) and clock == "wall":  # the kernel time is wall time
+            secs = n / tps[j][-1]
+            lines.append(f"[{label}] python overhead per decode step: {1e6 * (secs - kernel[j]) / n:.0f} us "
+                         f"= {100 * (1 - kernel[j] / secs):.1f}% of the step (last round)")
+            ctx, nodes = min(512, max(contexts)), min(8, max(news))
+            cyc, share = verify_cycle_overhead(targets[j], ctx, nodes, 20, rng)
+            lines.append(f"[{label}] python overhead per verify cycle ({nodes}-node tree at ctx {ctx}, forward + keep): "
+                         f"{1e6 * cyc * share:.0f} us = {100 * share:.1f}% of a {1e3 * cyc:.2f} ms cycle")
     return lines
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m runtime.bench_backend", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bundle", required=True, help="bundle directory (e.g. build/bundles/zoo)")
+    ap.add_argument("--bundle", required=True, nargs="+",
+                    help="bundle directory (e.g. build/bundles/zoo); several: their targets side by side")
     ap.add_argument("--backend", default="onnx", choices=("onnx", "numpy_ref", "tensorrt"))
     ap.add_argument("--precision", default="auto", choices=("auto", "fp32", "fp16", "int8", "int4"),
                     help="onnx: which target graph of the bundle (auto = its float graph)")
-    ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0 = core count)")
+    ap.add_argument("--threads", type=int, nargs="+", default=[0],
+                    help="intra-op threads (0 = core count); several: one configuration each")
+    ap.add_argument("--spinning", type=int, nargs="+", choices=(0, 1), default=[0],
+                    help="onnx: let ORT's pool threads spin between runs (1, ORT's default) or not (0, edgespec's); "
+                         "both: one configuration each")
     ap.add_argument("--contexts", type=int, nargs="+", default=[64, 512, 2048])
     ap.add_argument("--new-tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--repeats", type=int, default=10, help="interleaved rounds")
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--decode-rounds", type=int, default=3, help="interleaved rounds of the plain-decode measurement")
+    ap.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                    help="wall (elapsed) or cpu (this process's CPU seconds, all threads: what the work costs on a "
+                         "time-sliced shared machine; meaningless with --spinning 1)")
     ap.add_argument("--profile", metavar="PREFIX", default="",
                     help="instead of the tables: run ONNX Runtime's profiler (trace written to PREFIX_<date>.json) "
                          "over --repeats forwards of each --new-tokens at each --contexts and print ms per op type")
@@ -238,12 +306,14 @@ def main(argv=None) -> int:
 
 def _main(a: argparse.Namespace) -> int:
     if a.profile:
-        for c in a.contexts:
-            for t in a.new_tokens:
-                for line in profile_ops(a.bundle, c, t, a.repeats, a.threads, a.profile, a.precision):
-                    print(line, flush=True)
+        for d in a.bundle:
+            for c in a.contexts:
+                for t in a.new_tokens:
+                    for line in profile_ops(d, c, t, a.repeats, a.threads[0], a.profile, a.precision, bool(a.spinning[0])):
+                        print(line, flush=True)
         return 0
-    for line in run(a.bundle, a.backend, a.threads, a.contexts, a.new_tokens, a.repeats, a.decode_tokens, a.precision):
+    for line in run(a.bundle, a.backend, a.threads, a.contexts, a.new_tokens, a.repeats, a.decode_tokens, a.precision,
+                    [bool(x) for x in a.spinning], a.decode_rounds, a.clock):
         print(line, flush=True)
     return 0
 

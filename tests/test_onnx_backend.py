@@ -259,7 +259,9 @@ def test_export_cli_adds_target_and_draft_model_graphs_to_a_bundle(tmp_path, cap
         assert_same(model.forward(prompt[:3], np.arange(29, 32)), ref.forward(prompt[:3], np.arange(29, 32)))
     from runtime.bench_backend import run as bench
 
-    report = "\n".join(bench(root, "onnx", 0, contexts=[8, 16], news=[1, 2], repeats=1, decode_tokens=4))
+    report = "\n".join(bench([root, root], "onnx", [0], contexts=[8, 16], news=[1, 2], repeats=1, decode_tokens=4,
+                              decode_rounds=1))
+    assert "[B] time / [A] time" in report
     assert "% of bound" in report and "python overhead per decode step" in report
 
 
@@ -315,9 +317,9 @@ def test_export_refuses_a_graph_that_differs_from_the_reference_and_leaves_the_b
     before = snapshot()
     real = onnx_export.export_decoder_onnx
 
-    def wrong_graph(spec, weights, out_path, taps=("final_norm",), precision="fp32"):
+    def wrong_graph(spec, weights, out_path, taps=("final_norm",), precision="fp32", attention="matmul"):
         weights = {**weights, "model.norm.weight": weights["model.norm.weight"] * 1.5}
-        return real(spec, weights, out_path, taps, precision)
+        return real(spec, weights, out_path, taps, precision, attention)
 
     monkeypatch.setattr(onnx_export, "export_decoder_onnx", wrong_graph)
     capsys.readouterr()

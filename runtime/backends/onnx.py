@@ -10,6 +10,11 @@ single position-major (P, L, nkv, d) input would make the graph split the past i
 of the cache every step, measured at ~25% of a 125M model's step at context 2048). Rolling back is a
 smaller P; after a tree verify `keep` moves only the accepted rows.
 
+A graph exported with `--attention gqa` (ONNX Runtime's GroupQueryAttention, export/onnx_gqa.py) has outputs
+present_key_{i} instead of new_key_{i}: the op takes one shared past/present buffer per layer in BNSH form, so
+this backend then reads its arena HEAD-major, (L, nkv, max_pos, d), binds layer i's whole block
+(1, nkv, max_pos, d) as both past_key_i and present_key_i, and the op writes rows [P, P+T) in place.
+
 Logits and taps are written into preallocated host arrays the same way. With the CUDA or TensorRT provider
 first in the list, the K/V live in device memory instead (runtime/backends/onnx_arena.py: an OrtValue arena,
 bound by device address, rows moved on the device); then only ids, positions, mask in and logits/taps out
@@ -74,12 +79,12 @@ class OnnxTarget:
     def __init__(self, spec: ModelSpec, model_path: str, cache: KVCache,
                  providers: Sequence[str] = ("CPUExecutionProvider",), threads: int = 0,
                  tap_names: Sequence[str] = ("final_norm",), profile_prefix: str = "",
-                 arena_device: Optional[str] = None):
+                 arena_device: Optional[str] = None, spinning: bool = False):
         ort = import_ort()
         self.spec = spec
         self.cache = cache
         self.model_path = model_path
-        self.session = open_session(model_path, providers, threads, profile_prefix)
+        self.session = open_session(model_path, providers, threads, profile_prefix, spinning)
         self.threads = threads or os.cpu_count() or 1
         inputs = {i.name: i for i in self.session.get_inputs()}
         if "past_key_0" not in inputs:
@@ -95,6 +100,8 @@ class OnnxTarget:
             raise BackendError(f"{model_path}: the graph's K/V are {self.kv_dtype}, the KV arena is {cache.k.dtype}; "
                                "allocate the arena with the graph's dtype (fp16 graph -> float16 arena)")
         outputs = {o.name for o in self.session.get_outputs()}
+        # GroupQueryAttention graphs: one shared past/present buffer per layer, head-major (module docstring)
+        self.shared_kv = "present_key_0" in outputs
         self.tap_names = tuple(tap_names)
         for t in self.tap_names:
             parse_tap(t, spec.num_layers)
@@ -111,14 +118,17 @@ class OnnxTarget:
         self.device = device_for(providers) if arena_device is None else arena_device
         self.device_arena: Optional[OrtKVArena] = None
         if self.device != "cpu" or arena_device is not None:
-            self.device_arena = OrtKVArena(ort, n, cache.max_positions, heads, d, self.kv_dtype, self.device,
+            # Head-major, the device arena's "layers" are the L*nkv (layer, head) blocks of (max_pos, d) rows.
+            units, unit_heads = (n * heads, 1) if self.shared_kv else (n, heads)
+            self.device_arena = OrtKVArena(ort, units, cache.max_positions, unit_heads, d, self.kv_dtype, self.device,
                                            providers=providers)
             self._bind_kv_in, self._bind_kv_out = _binders(ort, self.binding, self.device)
-            self._ptrs = [(f"_{i}", *self.device_arena.addresses(i, 0)[:2]) for i in range(n)]
+            self._ptrs = [(f"_{i}", *self.device_arena.addresses(i * units // n, 0)[:2]) for i in range(n)]
         else:
-            # The same host arena bytes, seen layer-major (see the module docstring).
-            self.k = cache.k.reshape(n, cache.max_positions, heads, d)  # (L, max_pos, nkv, d)
-            self.v = cache.v.reshape(n, cache.max_positions, heads, d)
+            # The same host arena bytes, seen layer-major (see the module docstring), head-major for GQA graphs.
+            view = (n, heads, cache.max_positions, d) if self.shared_kv else (n, cache.max_positions, heads, d)
+            self.k = cache.k.reshape(view)  # (L, max_pos, nkv, d) or (L, nkv, max_pos, d)
+            self.v = cache.v.reshape(view)
             self._bind_kv_in, self._bind_kv_out = self._bind_input, self._bind_output
             self._ptrs = [(f"_{i}", self.k[i].ctypes.data, self.v[i].ctypes.data) for i in range(n)]
         self.last_run_s = 0.0  # time inside ORT during the last forward (the rest is Python overhead)
@@ -169,12 +179,20 @@ class OnnxTarget:
         self._bind_in("attention_mask", add_mask)
         past, new, dt = (p, *self._row), (t, *self._row), self.kv_dtype
         skip = p * self._row_bytes
-        for i, kp, vp in self._ptrs:
-            # Layer i's past is rows [0, P) of its block and the new rows land at [P, P+T): by pointer, no copy.
-            self._bind_kv_in("past_key" + i, dt, past, kp)
-            self._bind_kv_in("past_value" + i, dt, past, vp)
-            self._bind_kv_out("new_key" + i, dt, new, kp + skip)
-            self._bind_kv_out("new_value" + i, dt, new, vp + skip)
+        if self.shared_kv:  # the op reads rows [0, P) and writes [P, P+T) of the one buffer bound twice
+            block = (1, self._row[0], self.cache.max_positions, self._row[1])
+            for i, kp, vp in self._ptrs:
+                self._bind_kv_in("past_key" + i, dt, block, kp)
+                self._bind_kv_in("past_value" + i, dt, block, vp)
+                self._bind_kv_out("present_key" + i, dt, block, kp)
+                self._bind_kv_out("present_value" + i, dt, block, vp)
+        else:
+            for i, kp, vp in self._ptrs:
+                # Layer i's past is rows [0, P) of its block and the new rows land at [P, P+T): by pointer, no copy.
+                self._bind_kv_in("past_key" + i, dt, past, kp)
+                self._bind_kv_in("past_value" + i, dt, past, vp)
+                self._bind_kv_out("new_key" + i, dt, new, kp + skip)
+                self._bind_kv_out("new_value" + i, dt, new, vp + skip)
         self._bind_out("logits", logits)
         for name, arr in got.items():
             self._bind_out(tap_output_name(name), arr)
@@ -195,16 +213,26 @@ class OnnxTarget:
             self.device_arena.keep(start, rows)
         elif n and rows != list(range(start, start + n)):
             idx = np.asarray(rows)
-            self.k[:, start:start + n] = self.k[:, idx]
-            self.v[:, start:start + n] = self.v[:, idx]
+            if self.shared_kv:
+                self.k[:, :, start:start + n] = self.k[:, :, idx]
+                self.v[:, :, start:start + n] = self.v[:, :, idx]
+            else:
+                self.k[:, start:start + n] = self.k[:, idx]
+                self.v[:, start:start + n] = self.v[:, idx]
         self.cache.length = start + n
 
     def layer_kv(self, layer: int):
         """(K, V) rows [0, cache_len) of one layer, each (cache_len, nkv, d): views of the host arena (copies
         from a device arena), for tests and tools."""
+        length, heads = self.cache.length, self._row[0]
+        if self.device_arena is not None and self.shared_kv:
+            blocks = [self.device_arena.layer_kv(layer * heads + h, length) for h in range(heads)]
+            return tuple(np.concatenate([b[j] for b in blocks], axis=1) for j in (0, 1))
         if self.device_arena is not None:
-            return self.device_arena.layer_kv(layer, self.cache.length)
-        return self.k[layer, :self.cache.length], self.v[layer, :self.cache.length]
+            return self.device_arena.layer_kv(layer, length)
+        if self.shared_kv:
+            return self.k[layer, :, :length].transpose(1, 0, 2), self.v[layer, :, :length].transpose(1, 0, 2)
+        return self.k[layer, :length], self.v[layer, :length]
 
     def reset(self) -> None:
         self.cache.reset()

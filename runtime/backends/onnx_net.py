@@ -42,7 +42,7 @@ def bundle_of(model_path: str) -> str:
 
 
 def open_session(model_path: str, providers: Sequence[str] = ("CPUExecutionProvider",), threads: int = 0,
-                 profile_prefix: str = ""):
+                 profile_prefix: str = "", spinning: bool = False):
     """An ort.InferenceSession for one graph of a bundle, with the settings every edgespec graph runs under.
     Raises BackendError (provider missing, no file, graph ORT refuses) with what to do."""
     ort = import_ort()
@@ -61,8 +61,8 @@ def open_session(model_path: str, providers: Sequence[str] = ("CPUExecutionProvi
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     # ORT's pool threads spin after each run by default; between two graphs' runs (target, drafter, numpy
-    # maths) spinning threads would steal the cores the next one needs.
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # maths) spinning threads would steal the cores the next one needs (spinning=True: ORT's default, to measure).
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     if profile_prefix:  # ORT's own per-node profiler (runtime.bench_backend --profile summarises it)
         opts.enable_profiling = True
         opts.profile_file_prefix = profile_prefix
