@@ -401,10 +401,10 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
     if quantised and attention == "gqa":
         # Measured on the zoo: the op's T-row and 1-row paths round differently and int8 activation rounding
         # magnifies that to logit gaps of ~1e-3, so a speculative greedy output left plain greedy's (README).
+        export = f"edgespec export --to onnx --bundle {bundle_dir} --precision {precision}"  # a valid precision
         raise ExportError(f"--attention gqa with --precision {precision}: not exported, because greedy speculative "
                           "output on such a graph differed from plain greedy output beyond float near-ties; export "
-                          f"the {precision} graph with the default attention: `edgespec export --to onnx --bundle "
-                          f"{bundle_dir} --precision {precision}`")
+                          f"the {precision} graph with the default attention: `{export}`")
     level = ACCURACY_LEVEL.get(precision, 0) if accuracy_level is None else accuracy_level
     rel = f"onnx/target.{precision}.onnx"
     graphs = [("target", rel, b.target.spec, weights, tuple(taps))]

@@ -62,3 +62,21 @@ class TargetBackend(Protocol):
 
     def reset(self) -> None:
         """Forget the whole cache (cache_len = 0)."""
+
+
+class CacheRows:
+    """The KV bookkeeping every backend shares: `self.cache` is its view of the arena (runtime/kv.py), and
+    these read through to it. A backend whose cache is not only rows (llama.cpp's) overrides `reset`."""
+
+    cache: object
+
+    @property
+    def cache_len(self) -> int:
+        return self.cache.length
+
+    @property
+    def max_cache_len(self) -> int:
+        return self.cache.max_positions
+
+    def reset(self) -> None:
+        self.cache.reset()

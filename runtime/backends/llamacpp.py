@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from runtime.backends.base import ForwardResult, parse_tap
+from runtime.backends.base import CacheRows, ForwardResult, parse_tap
 from runtime.errors import BackendError
 from runtime.kv import KVCache
 from runtime.model_spec import ModelSpec
@@ -144,7 +144,7 @@ def assign_sequences(positions: np.ndarray, mask: np.ndarray, committed: int, tr
     return query, seqs, fresh
 
 
-class LlamaCppTarget:
+class LlamaCppTarget(CacheRows):
     """A GGUF decoder run by llama.cpp, implementing runtime.backends.base.TargetBackend."""
 
     name = "gguf"
@@ -206,14 +206,6 @@ class LlamaCppTarget:
         self.weight_bytes = int(lib.llama_model_size(self.model))
 
     # -- TargetBackend --------------------------------------------------------------------------
-
-    @property
-    def cache_len(self) -> int:
-        return self.cache.length
-
-    @property
-    def max_cache_len(self) -> int:
-        return self.cache.max_positions
 
     def forward(self, tokens, positions, mask: Optional[np.ndarray] = None, taps: Sequence[str] = ()) -> ForwardResult:
         tokens = np.asarray(tokens, np.int64)

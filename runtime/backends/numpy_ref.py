@@ -9,7 +9,7 @@ from typing import Dict, Mapping, Optional, Sequence
 
 import numpy as np
 
-from runtime.backends.base import ForwardResult, parse_tap
+from runtime.backends.base import CacheRows, ForwardResult, parse_tap
 from runtime.errors import BundleError
 from runtime.kv import CacheShape, KVCache
 from runtime.layers import (causal_mask, decoder_layer, decoder_layer_weight_names, rms_norm, rope_cos_sin,
@@ -38,7 +38,7 @@ def load_float32(weights: Mapping[str, np.ndarray], names: Sequence[str], source
     return {n: np.ascontiguousarray(weights[n], dtype=np.float32) for n in names}
 
 
-class NumpyTarget:
+class NumpyTarget(CacheRows):
     """A decoder-only model with a KV cache, implementing runtime.backends.base.TargetBackend."""
 
     name = "numpy_ref"
@@ -49,14 +49,6 @@ class NumpyTarget:
         self.lm_head = self.w["model.embed_tokens.weight"] if spec.tie_word_embeddings else self.w["lm_head.weight"]
         self.inv_freq = rope_inv_freq(spec)
         self.cache = cache
-
-    @property
-    def cache_len(self) -> int:
-        return self.cache.length
-
-    @property
-    def max_cache_len(self) -> int:
-        return self.cache.max_positions
 
     @property
     def weight_bytes(self) -> int:
@@ -93,5 +85,3 @@ class NumpyTarget:
     def keep(self, start: int, rows: Sequence[int]) -> None:
         self.cache.keep(start, rows)
 
-    def reset(self) -> None:
-        self.cache.reset()

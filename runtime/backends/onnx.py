@@ -27,7 +27,7 @@ from typing import Dict, Optional, Sequence
 
 import numpy as np
 
-from runtime.backends.base import ForwardResult, parse_tap
+from runtime.backends.base import CacheRows, ForwardResult, parse_tap
 from runtime.backends.onnx_arena import OrtKVArena, device_for
 from runtime.backends.onnx_net import bundle_of, import_ort, open_session
 from runtime.errors import BackendError
@@ -71,7 +71,7 @@ def _binders(ort, binding, device: str = "cpu", device_id: int = 0):
             lambda n, dt, shape, ptr: c_binding.bind_output(n, c_device, dt, shape, ptr))
 
 
-class OnnxTarget:
+class OnnxTarget(CacheRows):
     """A decoder-only model run by ONNX Runtime, implementing runtime.backends.base.TargetBackend."""
 
     name = "onnx"
@@ -132,14 +132,6 @@ class OnnxTarget:
             self._bind_kv_in, self._bind_kv_out = self._bind_input, self._bind_output
             self._ptrs = [(f"_{i}", self.k[i].ctypes.data, self.v[i].ctypes.data) for i in range(n)]
         self.last_run_s = 0.0  # time inside ORT during the last forward (the rest is Python overhead)
-
-    @property
-    def cache_len(self) -> int:
-        return self.cache.length
-
-    @property
-    def max_cache_len(self) -> int:
-        return self.cache.max_positions
 
     @property
     def weight_bytes(self) -> int:
@@ -234,5 +226,3 @@ class OnnxTarget:
             return self.k[layer, :, :length].transpose(1, 0, 2), self.v[layer, :, :length].transpose(1, 0, 2)
         return self.k[layer, :length], self.v[layer, :length]
 
-    def reset(self) -> None:
-        self.cache.reset()

@@ -32,7 +32,7 @@ from typing import Dict, Mapping, Optional, Sequence
 
 import numpy as np
 
-from runtime.backends.base import ForwardResult, parse_tap
+from runtime.backends.base import CacheRows, ForwardResult, parse_tap
 from runtime.backends.onnx import additive_mask, causal_additive_mask, tap_output_name
 from runtime.backends.tensorrt_plan import (cache_offsets, graph_bucket, kv_addresses, padded_mask, parse_l4t_release,
                                             pick_profile, row_moves, version_mismatch)
@@ -136,7 +136,7 @@ class _Buffer:
             self.host = np.frombuffer(raw, dtype=self.dtype, count=int(np.prod(shape))).reshape(shape)
 
 
-class TensorRTTarget:
+class TensorRTTarget(CacheRows):
     """A decoder-only model run as a TensorRT engine, implementing runtime.backends.base.TargetBackend."""
 
     name = "tensorrt"
@@ -227,14 +227,6 @@ class TensorRTTarget:
                             if tap_output_name(t) in names]
 
     # -- the TargetBackend interface -----------------------------------------------------------------
-
-    @property
-    def cache_len(self) -> int:
-        return self.cache.length
-
-    @property
-    def max_cache_len(self) -> int:
-        return self.cache.max_positions
 
     @property
     def weight_bytes(self) -> int:
@@ -413,5 +405,3 @@ class TensorRTTarget:
             out.append(host)
         return out[0], out[1]
 
-    def reset(self) -> None:
-        self.cache.reset()
