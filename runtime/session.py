@@ -157,8 +157,6 @@ def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max
         cache = arena.allocate("draft", cache_shape(entry.spec), max_positions + params.block_size)
         net = None
         if backend.kind == "onnx" and "onnx" in entry.backends:  # the block forward as a graph, else numpy
-            from runtime.backends.onnx_net import OnnxNet
-
             net = OnnxNet(bundle.path(entry.backends["onnx"].files[0]), backend.providers, backend.threads,
                           label=f"drafter {name}")
         return DFlashDrafter(entry.spec, params, weights, embed, head, cache, source=where, net=net)

@@ -98,3 +98,14 @@ def test_a_bundle_whose_onnx_entry_lacks_a_module_graph_is_refused_by_name(mtp_b
     yaml.safe_dump(manifest, open(path, "w"))
     with pytest.raises(Exception, match=r"lists 1 graphs for 2 modules; re-export"):
         Session.open(root, drafter="mtp", backend="onnx")
+
+
+def test_the_prefix_cache_with_both_module_graphs_gives_the_same_tokens_and_drafts_as_a_full_prefill(mtp_bundle):
+    from tests.test_prefix_cache import _run
+
+    params = GenerationParams(max_tokens=20)
+    runs = {cache: _run(Session.open(mtp_bundle, drafter="mtp", backend="onnx", num_tokens=3, max_context=512,
+                                     prefix_cache=cache), params) for cache in (False, True)}
+    assert runs[True][0] == runs[False][0]
+    assert [st.tau for st in runs[True][1]] == pytest.approx([st.tau for st in runs[False][1]])
+    assert sum(st.prefix_tokens for st in runs[True][1]) > 0

@@ -70,6 +70,31 @@ def test_prefix_cache_with_mtp_rebuilds_the_module_rows_exactly(backend):
     assert [st.tau for st in runs[True][1]] == pytest.approx([st.tau for st in runs[False][1]])
 
 
+@pytest.fixture(scope="module")
+def mtp2_bundle(tmp_path_factory):
+    """A tiny random target with two DeepSeek-V3 MTP modules, each with its own cache rows."""
+    from export.bundle_builder import build_bundle
+    from tests.mtp_tiny import write_mtp_checkpoint
+    root = str(tmp_path_factory.mktemp("mtp2"))
+    return build_bundle(write_mtp_checkpoint(root, modules=2), os.path.join(root, "bundle"), name="mtp2")
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 4])  # module 1 idle / each module once / module 1 reused
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_prefix_cache_with_two_mtp_modules_gives_the_same_tokens_and_drafts_as_a_full_prefill(mtp2_bundle, num_tokens,
+                                                                                               temperature):
+    # each module keeps the rows its inputs and tokens still justify (MTPDrafter.keep_plan); what it cannot
+    # keep, it and the modules before it (or the target) recompute
+    params = GenerationParams(max_tokens=20, temperature=temperature, seed=7)
+    runs = {cache: _run(Session.open(mtp2_bundle, drafter="mtp", backend="numpy_ref", num_tokens=num_tokens,
+                                     max_context=512, prefix_cache=cache), params) for cache in (False, True)}
+    assert runs[True][0] == runs[False][0]
+    assert [st.tau for st in runs[True][1]] == pytest.approx([st.tau for st in runs[False][1]])
+    reused = [st.prefix_tokens for st in runs[True][1]]
+    # request 2 shares 2 tokens with request 1: module 1's row t holds x_{t+2}, so two modules keep nothing there
+    assert reused[1] > 0 and all(r > 0 for r in reused[3:6]), reused
+
+
 def test_a_request_that_fails_midway_leaves_the_next_one_a_full_prefill(tiny_bundle, monkeypatch):
     s = Session.open(tiny_bundle, drafter="draft_model", max_context=512)
     prompts, _ = _requests(s)

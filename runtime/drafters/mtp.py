@@ -194,6 +194,7 @@ class MTPDrafter(Drafter):
         self.rows = [0] * len(self.modules)  # committed cache rows of each module
         # per module: its input hiddens not yet run, from its first uncommitted row on (module 0: the target's)
         self.pending: List[List[np.ndarray]] = [[] for _ in self.modules]
+        self._shared = 0  # n of the last `reusable_prefix` call
 
     @property
     def backend(self) -> str:
@@ -219,24 +220,52 @@ class MTPDrafter(Drafter):
             self.reset()
             self.pending[0] = new
             return
-        # One module only (reusable_prefix is 0 with more). The target kept rows [0, start): keep module rows
-        # t < m (row t holds x_{t+1}, a kept token for t < start) and take h_t for t in [m, start) from pending.
-        m = min(self.rows[0], start)
-        self.modules[0].cache.keep(m, [])
-        self.pending[0] = self.pending[0][:start - m] + new
-        self.rows[0] = m
+        plan = self.keep_plan(self._shared)  # the plan `reusable_prefix` answered with
+        if plan[0] != start:
+            raise RuntimeError(f"MTP: begin(start={start}) but reusable_prefix allowed {plan[0]}")
+        for i, m in enumerate(self.modules):
+            kept, source = plan[i + 1], plan[i]  # source: where module i's input rows are recomputed from
+            m.cache.keep(kept, [])
+            # inputs for rows kept .. source-1 come from pending (kept == rows[i] then), the rest are recomputed
+            self.pending[i] = self.pending[i][:source - kept] if kept < source else []
+            self.rows[i] = kept
+        self.pending[0] += new
+
+    def keep_plan(self, n: int) -> List[int]:
+        """[start, m_0, .., m_{k-1}]: the target keeps `start` rows and module i its first m_i rows, when the new
+        prompt shares its first n tokens with the tokens behind the caches. Module i's row t holds
+        (h^{i-1}_t, x_{t+1+i}) and its input h^{i-1}_t reads x_0 .. x_{t+i}, so both stay valid for t <= n-2-i
+        (rows) and t <= n-1-i (inputs). Module i recomputes its rows from m_i on, reading inputs that module i-1
+        (the target for i = 0) recomputes from its own m_{i-1} (start) on; so m_i <= m_{i-1}, and where
+        m_i < m_{i-1} its inputs for t in [m_i, m_{i-1}) must be ones it has not run yet (pending, from its
+        committed rows on, i.e. m_i = its committed rows). Where they are not, m_{i-1} comes down to what they
+        cover, and so on up to the target.
+
+        Example, 2 modules after a request whose last cycle drafted after n0 = 10 tokens and committed 3: module 0
+        holds rows 0..8 with h_9..h_11 pending (the target's), module 1 rows 0..7 with h^0_8 pending. A new prompt
+        sharing n = 12 tokens: m_1 = 8, m_0 = 9, start = 12 (nothing recomputed). Had module 1 nothing pending,
+        module 0 would keep only 8 rows to recompute h^0_8 for it, and then the target h_8 from start = 8 on.
+        One module, rows 0..4 with h_5..h_9 pending, n = 12: m_0 = 5, start = 10 (the target reruns from 10)."""
+        bound = [n] + [max(0, min(r, n - 1 - i)) for i, r in enumerate(self.rows)]
+        while True:
+            plan = [bound[0]]
+            for b in bound[1:]:
+                plan.append(min(b, plan[-1]))
+            for i, r in enumerate(self.rows):
+                kept, source = plan[i + 1], plan[i]
+                if kept == source:
+                    continue
+                held = r + min(len(self.pending[i]), max(0, n - i - r)) if kept == r else kept
+                if held < source:
+                    bound[i] = held  # strictly lower than before: the loop ends
+                    break
+            else:
+                return plan
 
     def reusable_prefix(self, n: int) -> int:
-        """Module row t holds (h_t, x_{t+1}): with n target rows kept, rows t <= n - 2 stay valid. The module
-        then needs h_t from its first row on: when its committed rows end before n - 1, the h_t still pending
-        from the last request (target rows it has not run yet, all in the kept prefix) carry it as far as
-        they go; otherwise it keeps n - 1 rows and the target reruns position n - 1 for its h. With several
-        modules (each one row behind the previous) nothing is kept."""
-        if len(self.modules) > 1:
-            return 0
-        if self.rows[0] <= n - 1:
-            return min(n, self.rows[0] + len(self.pending[0]))
-        return max(0, n - 1)
+        """With n target rows shareable, how many to keep: `keep_plan`'s start (remembered for `begin`)."""
+        self._shared = n
+        return self.keep_plan(n)[0]
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         tokens = list(ctx.tokens)
