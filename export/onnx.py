@@ -48,7 +48,6 @@ import onnx
 import torch
 from torch import nn
 
-from export.drafters.medusa_onnx import export_medusa_graphs
 from export.onnx_quantize import ACCURACY_LEVEL, BITS, quantize_graph
 from runtime import bundle as bundle_mod
 from runtime.backends.base import parse_tap
@@ -415,6 +414,7 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
         if dw:
             graphs.append((name, f"onnx/drafter.{name}.{precision}.onnx", d.spec, dw, ()))
     from export.drafters import dflash_onnx, eagle_onnx  # (they build on this module's graph helpers)
+    from export.drafters.medusa_onnx import export_medusa_graphs
     from export.drafters.mtp_onnx import export_bundle_mtp
 
     heads = {} if quantised else eagle_onnx.bundle_heads(b, weights)  # EAGLE steps: export/drafters/eagle_onnx.py

@@ -46,6 +46,6 @@ def build_token_data(tokenizer_json: str, work: str, seed: int, n_planner: int, 
     tmp = f"{path}.{os.getpid()}.tmp.npz"  # torchrun: every process may build it; each renames a whole file
     np.savez(tmp, key=key, **{k: np.array(v, dtype=object) for k, v in data.items()})
     os.replace(tmp, path)
-    log(f"distillation data: " + ", ".join(f"{k} {len(v)}" for k, v in data.items())
+    log("distillation data: " + ", ".join(f"{k} {len(v)}" for k, v in data.items())
         + f" examples in {time.time() - t0:.0f} s")
     return data

@@ -13,19 +13,18 @@ runs both on the same cycles and fails with ExportError past TOLERANCE."""
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Dict, List, Mapping, Tuple
 
 import numpy as np
 import torch
 import torch.nn as nn
 
+from export.onnx import OPSET, save_program
 from runtime.drafters.dflash import DFlashParams, dflash_weight_names
 from runtime.errors import ExportError
 from runtime.model_spec import ModelSpec
 
 TOLERANCE = 1e-4  # max |numpy - onnx| over the draft logits, relative to their max |value|
-OPSET = 18
 
 
 def input_names(layers: int) -> List[str]:
@@ -113,8 +112,6 @@ class DFlashGraph(nn.Module):
 
 def export_dflash_onnx(spec: ModelSpec, params: DFlashParams, weights: Mapping[str, np.ndarray], out_path: str) -> str:
     """Write the block forward to `out_path` (+ `out_path`.data); C, B and P are dynamic. Returns out_path."""
-    import onnx
-
     module = DFlashGraph(spec, params, weights).eval()
     n_in = weights["fc.weight"].shape[1]
     L, nkv, d, h = spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.hidden_size
@@ -128,17 +125,7 @@ def export_dflash_onnx(spec: ModelSpec, params: DFlashParams, weights: Mapping[s
     with torch.no_grad():
         program = torch.onnx.export(module, args, dynamo=True, opset_version=OPSET, input_names=input_names(L),
                                     output_names=output_names(L), dynamic_shapes=dynamic, verbose=False)
-    data = os.path.basename(out_path) + ".data"
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(out_path))) as scratch:
-        program.save(os.path.join(scratch, "graph.onnx"), external_data=True)
-        model = onnx.load(os.path.join(scratch, "graph.onnx"))
-    for stale in (out_path, out_path + ".data"):
-        if os.path.exists(stale):
-            os.remove(stale)
-    onnx.save(model, out_path, save_as_external_data=True, all_tensors_to_one_file=True, location=data,
-              size_threshold=1024)
-    onnx.checker.check_model(out_path, full_check=False)
-    return out_path
+    return save_program(program, out_path)
 
 
 def compare_with_numpy(spec: ModelSpec, params: DFlashParams, weights: Mapping[str, np.ndarray], graph: str,

@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from typing import Dict, Mapping, Tuple
 
 import numpy as np
-import onnx
 import torch
 from torch import nn
 
-from export.onnx import OPSET, DecoderGraph, _rms_norm, _rotate
+from export.onnx import OPSET, DecoderGraph, _rms_norm, _rotate, save_program
 from runtime.backends.onnx import additive_mask
 from runtime.backends.onnx_net import OnnxNet
 from runtime.drafters.eagle import EagleDrafter
@@ -114,16 +112,7 @@ def export_eagle_onnx(drafter: EagleDrafter, out_path: str) -> str:
     with torch.no_grad():
         program = torch.onnx.export(module, args, dynamo=True, opset_version=OPSET, input_names=list(INPUTS),
                                     output_names=list(OUTPUTS), dynamic_shapes=dynamic, verbose=False)
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(out_path))) as scratch:
-        program.save(os.path.join(scratch, "graph.onnx"), external_data=True)
-        model = onnx.load(os.path.join(scratch, "graph.onnx"))
-    for stale in (out_path, out_path + ".data"):
-        if os.path.exists(stale):
-            os.remove(stale)
-    onnx.save(model, out_path, save_as_external_data=True, all_tensors_to_one_file=True,
-              location=os.path.basename(out_path) + ".data", size_threshold=1024)
-    onnx.checker.check_model(out_path, full_check=False)
-    return out_path
+    return save_program(program, out_path)
 
 
 def _cases(drafter: EagleDrafter, seed: int = 0):

@@ -13,17 +13,16 @@ import tempfile
 from typing import Dict, List, Mapping, Tuple
 
 import numpy as np
-import onnx
 import torch
 from torch import nn
 
+from export.onnx import OPSET, save_program
 from runtime.backends.onnx_net import OnnxNet
 from runtime.drafters.medusa import MedusaDrafter
 from runtime.errors import ExportError
 from runtime.tensors import read_safetensors
 
 TOLERANCE = 1e-4  # max |logit difference| against the numpy heads (fp32 measures ~1e-6: summation order)
-OPSET = 18
 
 
 class MedusaGraph(nn.Module):
@@ -49,17 +48,7 @@ def export_medusa_onnx(weights: Mapping[str, np.ndarray], out_path: str) -> str:
     with torch.no_grad():
         program = torch.onnx.export(module, (torch.zeros(H),), dynamo=True, opset_version=OPSET,
                                     input_names=["hidden"], output_names=["logits"], verbose=False)
-    data = os.path.basename(out_path) + ".data"
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(out_path))) as scratch:
-        program.save(os.path.join(scratch, "graph.onnx"), external_data=True)
-        model = onnx.load(os.path.join(scratch, "graph.onnx"))
-    for stale in (out_path, out_path + ".data"):
-        if os.path.exists(stale):
-            os.remove(stale)
-    onnx.save(model, out_path, save_as_external_data=True, all_tensors_to_one_file=True, location=data,
-              size_threshold=1024)
-    onnx.checker.check_model(out_path, full_check=False)
-    return out_path
+    return save_program(program, out_path)
 
 
 def check_medusa_onnx(weights: Mapping[str, np.ndarray], path: str, label: str, cases: int = 4) -> float:
