@@ -2,8 +2,11 @@
 real engine: greedy output is token-identical to plain decoding; the drafter runs only newly committed
 positions; sampled decoding keeps the target's law of the first and first two tokens (chi-square, alpha
 0.001, DRAWS draws per context, fixed seeds) for chains, dynamic trees and split chains, and the same test
-rejects a wrong rule swapped in (power control: a verifier that forgets the residual after a rejection). Heads are random official-layout checkpoints (tests/eagle_tiny.py) on a tiny random target
-(V = 97): acceptance is low, so rejections, where a wrong rule shows, are common."""
+rejects a wrong rule swapped in (power control: a verifier that forgets the residual after a rejection). EAGLE-1
+and EAGLE-3 dynamic trees are also certified at T = 0.8 (p and q both reshaped by the temperature), with a
+wrong acceptance rule as the control (the top-k picks verified as if drawn from q). Heads are random
+official-layout checkpoints (tests/eagle_tiny.py) on a tiny random target (V = 97): acceptance is low, so
+rejections, where a wrong rule shows, are common."""
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,6 +19,7 @@ from runtime.drafters.eagle import UNMAPPED, DynamicTree, EagleDrafter, dynamic_
 from runtime.engine import Engine
 from runtime.kv import KVArena
 from runtime.sampling import SamplingParams
+from runtime.tree import DraftTree
 from tests.eagle_tiny import eagle1_checkpoint, eagle3_checkpoint
 from tests.hf_tiny import tiny_hf_model
 
@@ -133,13 +137,13 @@ def test_reduced_vocabulary_logits_land_on_the_d2t_target_ids(model):
     assert (logits[outside] == UNMAPPED).all() and (logits[ids] > UNMAPPED).all()
 
 
-def searched_contexts(s, width, n_candidates=24, keep=1):
+def searched_contexts(s, width, n_candidates=24, keep=1, params=T1):
     target = memoise_session(s)
     rng = np.random.default_rng(123)
     scored = []
     for i in range(n_candidates):
         prompt = [int(t) for t in rng.integers(0, 97, 8)]
-        p, q = first_proposal(s, target, prompt, T1)
+        p, q = first_proposal(s, target, prompt, params)
         if q is not None:
             scored.append((sensitivity(p, q, width), i, prompt))
     scored.sort(reverse=True)
@@ -183,3 +187,65 @@ def test_drafts_follow_the_requests_grammar_mask(model, mode, temperature):
                        lambda path: allowed)
     tree_ = s.drafter.propose(ctx)
     assert len(tree_) and allowed[tree_.tokens].all()
+
+
+# -- dynamic trees at a temperature other than 1, with a wrong acceptance rule as the second control ------------
+
+T08 = SamplingParams(temperature=0.8)  # p and the drafter's q both reshaped by the temperature, and unlike each other
+
+
+def claim_draws_from_q(s, monkeypatch) -> None:
+    """WRONG, for a power control only: hand the verifier the dynamic tree's top-k picks as if each had been
+    DRAWN from the drafter's q at its parent (accept with min(1, p/q), residual norm(max(0, p - q))) instead
+    of as the point masses they are (accept with p(x), residual p without x). The tree and its tokens are the
+    real drafter's; only what it claims about them is wrong, as a verifier that trusted q would be."""
+    import runtime.drafters.eagle as eagle_module
+
+    rows = {}  # token path from the root -> the drafter's log q after it
+    real_tree = eagle_module.dynamic_tree
+
+    def recording_tree(expand, root_scores, tree, max_nodes):
+        rows[()] = root_scores
+
+        def path(n, tokens, parents):
+            out = []
+            while n != -1:
+                out.append(tokens[n])
+                n = parents[n]
+            return tuple(out[::-1])
+
+        def expand_and_record(frontier, tokens, parents):
+            got = expand(frontier, tokens, parents)
+            for n, logq in zip(frontier, got):
+                rows[path(n, tokens, parents)] = logq
+            return got
+
+        return real_tree(expand_and_record, root_scores, tree, max_nodes)
+
+    monkeypatch.setattr(eagle_module, "dynamic_tree", recording_tree)
+    propose = s.drafter.propose
+
+    def wrong(ctx):
+        rows.clear()
+        tree = propose(ctx)
+        if not len(tree):
+            return tree
+        q = np.stack([np.exp(rows[tuple(tree.tokens[tree.path(i)[:-1]].tolist())]) for i in range(len(tree))])
+        return DraftTree(tree.tokens, tree.parents, q=q, deterministic=np.zeros(len(tree), bool))
+
+    monkeypatch.setattr(s.drafter, "propose", wrong)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["eagle2_tree", "eagle3_tree"])
+def test_dynamic_trees_at_temperature_0_8_keep_the_first_two_tokens_law_and_a_wrong_acceptance_rule_is_rejected(
+        model, mode, monkeypatch):
+    kind, tree, branching = MODES[mode]
+    s = session(model, kind, tree, branching)
+    contexts = searched_contexts(s, 1, params=T08)
+    for res in certify(s, contexts, T08, draws=DRAWS, alpha=ALPHA, seed=11):
+        assert res.passed, res
+        assert res.tau > 1.0
+    claim_draws_from_q(s, monkeypatch)
+    results = certify(s, contexts, T08, draws=DRAWS, alpha=ALPHA, seed=12)
+    assert any(not r.passed for r in results), results

@@ -1,7 +1,7 @@
 """EAGLE heads on ONNX Runtime: `edgespec export --to onnx` writes each head's draft step as a graph that agrees
 with the numpy drafter (max |diff| <= 1e-4, ExportError otherwise), records it in the drafter entries (eagle and
 eagle2 share one graph), and sessions on the onnx backend draft through it with greedy output equal to plain
-decoding, chains and dynamic trees. A target graph without the taps a head reads is refused at session creation.
+decoding, chains and dynamic trees, keeping no numpy copy of what the graph holds. A target graph without the taps a head reads is refused at session creation.
 
 One export of the tiny bundle (target, draft model, two head graphs) serves the module."""
 import shutil
@@ -75,3 +75,30 @@ def test_greedy_onnx_sessions_draft_through_the_head_graphs_and_equal_plain_deco
 def test_onnx_target_without_the_eagle3_taps_is_refused_at_session_creation(onnx_bundle):
     with pytest.raises(BundleError, match=r"layer_in\.0.*--taps final_norm layer_in\.0 layer_in\.1 layer_in\.2"):
         Session.open(onnx_bundle, drafter="eagle3", backend="onnx", max_context=256)
+
+
+def test_a_head_on_its_graph_keeps_no_numpy_copy_of_the_weights_the_graph_holds(onnx_bundle):
+    from runtime.drafters.eagle import EagleDrafter
+    from runtime.layers import causal_mask
+
+    s = Session.open(onnx_bundle, drafter="eagle2", backend="onnx", max_context=256)
+    try:  # EAGLE-1: fc, layer and head all live in the graph (its drafting is checked above)
+        assert type(s.drafter.net).__name__ == "OnnxNet" and s.drafter.w == {}
+        assert s.drafter.memory_bytes == s.drafter.net.weight_bytes > 0  # counted once, where they live
+    finally:
+        s.close()
+    s = Session.open(onnx_bundle, drafter="eagle3", backend="numpy_ref", max_context=256)
+    try:  # EAGLE-3 keeps only its fc, which fuses the target taps outside the graph
+        b, d = bundle_io.load(onnx_bundle), s.drafter
+        on_graph = EagleDrafter(d.kind, d.spec, load_weights(b, b.drafters["eagle3"].files), d.embed, d.embed, d.cache,
+                                b.drafters["eagle3"].params, net=OnnxNet(b.path("onnx/drafter.eagle3.fp32.onnx")))
+        assert sorted(on_graph.w) == ["fc.weight"] and on_graph.head is None
+        assert on_graph.memory_bytes == on_graph.w["fc.weight"].nbytes + on_graph.net.weight_bytes
+        feats = np.random.default_rng(0).standard_normal((5, d.spec.hidden_size)).astype(np.float32)
+        outs = []
+        for drafter in (d, on_graph):
+            d.cache.reset()
+            outs.append(drafter._step(feats, [3, 9, 4, 7, 1], np.arange(5), causal_mask(0, 5)))
+        assert max(np.abs(a - b_).max() for a, b_ in zip(*outs)) < 1e-4  # hidden and target-vocabulary logits
+    finally:
+        s.close()

@@ -130,6 +130,8 @@ class EagleDrafter(Drafter):
         if missing:
             raise BundleError(f"{source}: missing weights {missing[:3]}; rebuild the bundle's {kind} drafter "
                               "(export/drafters/eagle.py)")
+        if net is not None:  # the graph holds the layer and head: keep only what runs outside it, the EAGLE-3 fc
+            need = ["fc.weight"] if kind == "eagle3" else []
         self.w = {n: np.ascontiguousarray(weights[n], np.float32) for n in need}
         self.prefix = p
         own_embed = weights.get("embed_tokens.weight")
@@ -142,9 +144,9 @@ class EagleDrafter(Drafter):
             self.draft_ids = None
             self.target_taps: Tuple[str, ...] = ("final_norm",)
         else:
-            self.head = self.w["lm_head.weight"]  # (draft_vocab, H)
+            self.head = self.w.get("lm_head.weight")  # (draft_vocab, H); None when the graph holds it
             d2t = weights.get("d2t")
-            rows = self.head.shape[0]
+            rows = weights["lm_head.weight"].shape[0]
             self.draft_ids = np.arange(rows) + np.asarray(d2t, np.int64) if d2t is not None else None
             if self.draft_ids is None and rows != self.vocab:
                 raise BundleError(f"{source}: lm_head has {rows} rows but there is no d2t map to the target's "
@@ -163,6 +165,8 @@ class EagleDrafter(Drafter):
     @property
     def memory_bytes(self) -> int:
         own = sum(a.nbytes for a in self.w.values())
+        if self.net is not None:  # the layer, head (and an own embedding) are the graph's
+            return own + int(self.net.weight_bytes)
         return own + (self.embed.nbytes if "embed_tokens.weight" in self.w else 0)
 
     # -- the draft layer --------------------------------------------------------------------------
