@@ -75,3 +75,21 @@ def test_padded_dflash2_keeps_every_original_channel_in_its_conv_group():
     assert not wide.reshape(2, 2, 8)[..., 4:].any()
     assert w["candidate_selector.hidden_projection.weight"].shape == (rank, 128)
     assert new_cfg["hidden_size"] == 128 and new_cfg["dflash_config"] == cfg["dflash_config"]
+
+
+def test_standin_bundle_gets_the_padded_drafters_under_the_zoo_names(zoo_and_standin, tmp_path):  # noqa: F811
+    """`edgespec zoo standin --bundle`'s hook (`add_standin_dflash`) on the small widening: the stand-in bundle
+    gets dflash, dflash_b8, dflash2, dflash2_b8, and greedy decoding with one equals plain decoding."""
+    from export.bundle_builder import build_bundle
+    from export.zoo.standin import add_standin_dflash
+    from runtime.session import GenerationParams, Session
+
+    standin = zoo_and_standin[1]
+    added = []
+    out = build_bundle(standin.path, str(tmp_path / "bundle-standin"), extend=lambda staged: added.extend(
+        add_standin_dflash(ZOO, str(tmp_path / "heads"), staged, 384, 1024, 4)))
+    assert sorted(added) == ["dflash", "dflash2", "dflash2_b8", "dflash_b8"]
+    params = GenerationParams(max_tokens=12)
+    plain = Session.open(out, drafter="none", backend="numpy_ref").generate("To be, or not to be", params)
+    res = Session.open(out, drafter="dflash2_b8", backend="numpy_ref").generate("To be, or not to be", params)
+    assert res.token_ids == plain.token_ids and res.stats.drafter == "dflash2" and res.stats.cycles > 0
