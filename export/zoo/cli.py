@@ -34,7 +34,7 @@ def _report(args) -> int:
 def _standin(args) -> int:
     import time
 
-    from export.zoo.standin import add_standin_eagle_heads, write_standin
+    from export.zoo.standin import add_standin_dflash, add_standin_eagle_heads, write_standin
     from export.zoo.train import DEFAULT_OUT
 
     zoo = args.zoo or DEFAULT_OUT
@@ -51,6 +51,7 @@ def _standin(args) -> int:
 
         def add_onnx(staged: str) -> None:
             add_standin_eagle_heads(zoo, args.out, staged, args.hidden, args.intermediate, args.kv_heads)
+            add_standin_dflash(zoo, args.out, staged, args.hidden, args.intermediate, args.kv_heads)
             if not args.no_onnx:
                 files = add_onnx_to_bundle(staged, "fp32", None, validate=True)
                 print(f"standin: added {', '.join(files)} ({time.perf_counter() - t0:.0f} s)")

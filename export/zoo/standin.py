@@ -21,6 +21,11 @@ weight traffic. Every padded weight is zero, so the arithmetic is the original's
   EAGLE-1 / EAGLE-3    (`widen_eagle`) fc [H, nH] -> [H', nH'], input block i at columns i*H'..i*H'+H (EAGLE-1
                        concat[embed, f], EAGLE-3 its three taps); EAGLE-3's q/k/v over the 2H attention input
                        likewise at columns 0..H and H'..H'+H; d2t / t2d unchanged; the rest as the target's
+  DFlash / DFlash-2    (`widen_dflash`) fc [H, nH] over the target layer outputs like EAGLE's fc; q_norm / k_norm
+                       (per head_dim) unchanged; DFlash-2's conv base kernels [2, 2, H] zero-padded per channel
+                       and kernel_projection [2*2*G, H] -> [2*2*G', H'] (the same conv_group_size, so channel
+                       c < H keeps group c // size; row (io, tap, g) moves to (io, tap, g) of G'); the selector's
+                       hidden_projection [R, H] -> [R, H'], codebooks [V, R] unchanged; the rest as the target's
 
 Worked example (H 256 -> 1024, 8 q / 4 KV heads -> 32 / 8, g = 2, new group size 4): original query head 5
 (KV head 2) becomes query head 4 * 2 + 1 = 9, which reads KV head 9 // 4 = 2."""
@@ -178,6 +183,87 @@ def widen_eagle(weights: Dict[str, np.ndarray], config: dict, hidden: int, inter
             rest[name] = w
     widened, cfg = widen(rest, config, hidden, intermediate, kv_heads)
     return dict(widened, **own), cfg
+
+
+def widen_dflash(weights: Dict[str, np.ndarray], config: dict, hidden: int, intermediate: int,
+                 kv_heads: int) -> Tuple[Dict[str, np.ndarray], dict]:
+    """A DFlash or DFlash-2 drafter (z-lab names, runtime/drafters/dflash.py) padded like its target by `widen`,
+    so that on the stand-in's [x, 0] taps, embedding and LM head it drafts what it drafts on the zoo target.
+
+    The draft layers' own hidden size IS the target's (DFlash runs on the target's embedding and head), so it
+    widens to `hidden` too. q_norm / k_norm act per head over head_dim (unchanged): kept as they are, but
+    they share the config's rms_norm_eps, which `widen` scales by H/H' (1e-5 -> 2.5e-6 at 256 -> 1024); over
+    a head's d = 32 channels of O(1) values that moves the draft logits by ~1e-6 relative, not exactly 0.
+    Example (H 256 -> 1024, conv_group_size 16): G 16 -> 64 groups; kernel_projection row (in/out 1, tap 0,
+    group 3) = 1*2*16 + 0*16 + 3 = 35 moves to 1*2*64 + 0*64 + 3 = 131, columns 0..256."""
+    h = config["hidden_size"]
+    inner = config.get("dflash_config") or {}
+    group = inner.get("conv_group_size", config.get("conv_group_size"))
+    own, rest = {}, {}
+    for name, w in weights.items():
+        w = np.asarray(w, np.float32)
+        if name == "fc.weight":  # (H, n*H) over the n target layer outputs: block i at columns i*H'..i*H'+H
+            fc = np.zeros((hidden, hidden * (w.shape[1] // h)), np.float32)
+            for i in range(w.shape[1] // h):
+                fc[:h, i * hidden:i * hidden + h] = w[:, i * h:(i + 1) * h]
+            own[name] = fc
+        elif name.endswith(("q_norm.weight", "k_norm.weight")) or name.endswith("_codebook"):
+            own[name] = w
+        elif name.endswith("base_kernel"):  # (2 in/out, taps, H) per channel
+            own[name] = _pad(w, w.shape[:-1] + (hidden,))
+        elif name.endswith("kernel_projection.weight"):  # (2 in/out * taps * G, H)
+            if not group or hidden % group:
+                raise ConfigError(f"{name}: conv_group_size {group!r} does not divide the stand-in hidden {hidden}")
+            g, new_g = h // group, hidden // group
+            kp = np.zeros((w.shape[0] // g, new_g, hidden), np.float32)
+            kp[:, :g, :h] = w.reshape(-1, g, h)
+            own[name] = kp.reshape(-1, hidden)
+        elif name == "candidate_selector.hidden_projection.weight":  # (rank, H) over the final-normed slot
+            own[name] = _pad(w, (w.shape[0], hidden))
+        else:
+            rest[name] = w
+    widened, cfg = widen(rest, config, hidden, intermediate, kv_heads)
+    return dict(widened, **own), cfg
+
+
+def write_standin_dflash(src: str, out: str, hidden: int = 1024, intermediate: int = 4096, kv_heads: int = 8) -> str:
+    """The widened DFlash drafter of checkpoint dir `src` at `out` (config.json, model.safetensors): fp16 if it
+    was and the norm scale sqrt(H/H') is a power of two (1/2 for the zoo's 256 -> 1024: exact), else float32
+    (an fp16 norm weight x 0.816 would round by ~1e-3 and move the draft logits by as much)."""
+    from export.hf_reader import read_weights
+
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    raw = read_weights(src)
+    weights, cfg = widen_dflash(raw, config, hidden, intermediate, kv_heads)
+    exact = math.log2(hidden / config["hidden_size"]) % 2 == 0  # H'/H a power of 4
+    keep = np.float16 if exact and {str(v.dtype) for v in raw.values()} == {"float16"} else np.float32
+    cfg["torch_dtype"] = "float16" if keep is np.float16 else "float32"
+    os.makedirs(out, exist_ok=True)
+    write_safetensors(os.path.join(out, "model.safetensors"), {k: v.astype(keep) for k, v in weights.items()},
+                      metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    return out
+
+
+def add_standin_dflash(zoo: str, out: str, bundle_dir: str, hidden: int, intermediate: int, kv_heads: int) -> list:
+    """Pad the zoo's DFlash drafters (zoo/dflash, zoo/dflash2, where present) into `out` and add them to the
+    stand-in bundle under the zoo bundle's drafter names (dflash, dflash_b8, dflash2, dflash2_b8)."""
+    from export.drafters.dflash import add_dflash_drafter
+    from runtime.bundle import BundleWriter, load as load_bundle
+
+    srcs = [s for s in ("dflash", "dflash2") if os.path.isfile(os.path.join(zoo, s, "model.safetensors"))]
+    if not srcs:
+        return []
+    writer = BundleWriter.extend(bundle_dir)  # one manifest write (it checksums the whole bundle)
+    spec, before = load_bundle(bundle_dir, verify_checksums=False).target.spec, set(writer.manifest["drafters"])
+    for src in srcs:
+        head = write_standin_dflash(os.path.join(zoo, src), os.path.join(out, src), hidden, intermediate, kv_heads)
+        add_dflash_drafter(writer, head, spec)
+    writer.write()
+    added = [n for n in writer.manifest["drafters"] if n not in before]
+    return added
 
 
 def write_standin(src: str, out: str, hidden: int = 1024, intermediate: int = 4096, kv_heads: int = 8) -> int:
