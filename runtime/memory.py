@@ -47,6 +47,7 @@ RUNTIME_OVERHEAD = {"numpy_ref": 40 * MiB, "onnx": 76 * MiB, "gguf": 76 * MiB, "
 # peak within +5.3 % / -7.3 % of the plan; 2.5 over-planned the stand-in's int8 graph at 2048 by 10.8 %).
 ONNX_SCRATCH_FACTOR = 2.4
 GGUF_BATCH = 512  # llama.cpp's batch (runtime/backends/llamacpp.py max_batch): prefill in chunks of it
+GGML_KV_PAD = 256  # llama.cpp attends over the used KV cells rounded up to 256 (llama_kv_cache::get_n_kv)
 HEADROOM = 0.05  # share of the budget kept free (allocator fragmentation, the robot stack's spikes)
 EAGLE3_DRAFT_VOCAB = 32000  # the draft vocabulary of the published EAGLE-3 heads
 
@@ -157,6 +158,7 @@ class PlanInputs:
     target_file_bytes: Optional[int] = None  # the target's weight files as the backend loads them (None: from dims)
     scratch_factor: float = 1.0  # backend activations / the numpy float32 count (ONNX_SCRATCH_FACTOR for onnx)
     fused_attention: bool = False  # device runtimes (TensorRT, llama.cpp) never hold the attention scores
+    ggml: bool = False  # llama.cpp's CPU buffers instead of the numpy count (ggml_scratch_bytes), per model
     drafter_scratch: bool = False  # the drafter's own forward keeps its scratch too (a separate ORT session)
     chunk_outputs: bool = False  # the prefill returns every prompt row's logits as batches, then their concatenation
     headroom: float = HEADROOM
@@ -213,6 +215,26 @@ def forward_scratch_bytes(dims: ModelDims, tokens: int, context: int, fused_atte
     return 4 * (4 * t * dims.hidden + max(attention, 3 * t * dims.intermediate, t * dims.vocab))
 
 
+def ggml_scratch_bytes(dims: ModelDims, tokens: int, context: int) -> int:
+    """What one llama.cpp context (flash attention off, the CPU backend) keeps resident after a forward of
+    `tokens` rows with the cache filled to `context`; it attends over n_kv = context rounded up to GGML_KV_PAD:
+      compute buffer  float32: the scores (heads x T x n_kv; the softmax runs in place), the f32 mask (T x n_kv)
+                      and six T x H tensors, or the MLP (3 x T x I) or the logits (T x vocab) where larger
+      work buffer     ggml-cpu converts the probabilities to f16 for their product with the f16 V cache
+                      (2 x heads x T x n_kv B); it grows to its largest use and stays
+      output buffer   the batch's float32 logits (T x vocab), also kept
+    Both buffers are malloc'd, so only what the forwards touched is resident: the planned n_kv is the context's,
+    not the n_ctx llama.cpp reserves (its logged compute buffer at n_kv = n_ctx is the same formula: 159.51 MiB
+    for the stand-in target at 2304, 43.51 for the zoo target, 33.76 for the zoo draft model).
+    Stand-in target (H 1024, 32 heads, I 4096, vocab 3072), 512 tokens at context 2048:
+    4 x (6x512x1024 + 32x512x2048 + 512x2048) + 2 x 32x512x2048 + 4 x 512x3072
+    = 150,994,944 + 67,108,864 + 6,291,456 = 224,395,264 B (214 MiB)."""
+    t, n_kv = tokens, -(-context // GGML_KV_PAD) * GGML_KV_PAD
+    attention = dims.heads * t * n_kv + t * n_kv
+    compute = 4 * (6 * t * dims.hidden + max(attention, 3 * t * dims.intermediate, t * dims.vocab))
+    return compute + 2 * dims.heads * t * n_kv + 4 * t * dims.vocab
+
+
 def plan_rows(inp: PlanInputs, context: int, budget: int) -> List[Row]:
     """The rows of the plan at `context` positions (headroom: inp.headroom x budget)."""
     t_body, t_head = target_weight_bytes(inp)
@@ -232,10 +254,15 @@ def plan_rows(inp: PlanInputs, context: int, budget: int) -> List[Row]:
         rows.append(Row("drafter KV", per * positions, f"{positions} positions x {per} B"))
     prefill = min(context, inp.prefill_tokens or context)
     fused = inp.fused_attention
-    scratch = max(forward_scratch_bytes(inp.target, prefill, context, fused),
-                  forward_scratch_bytes(inp.target, inp.tree_tokens, context, fused))
+    if inp.ggml:
+        def one(dims, tokens):
+            return ggml_scratch_bytes(dims, tokens, context)
+    else:
+        def one(dims, tokens):
+            return forward_scratch_bytes(dims, tokens, context, fused)
+    scratch = max(one(inp.target, prefill), one(inp.target, inp.tree_tokens))
     if inp.drafter is not None and inp.drafter_scratch:
-        scratch += forward_scratch_bytes(inp.drafter, prefill, context, fused)
+        scratch += one(inp.drafter, prefill)
     scratch = int(scratch * inp.scratch_factor)
     rows.append(Row("forward scratch", scratch, f"prefill of {prefill} tokens or a {inp.tree_tokens}-token verify"))
     if inp.chunk_outputs:
@@ -528,5 +555,5 @@ def bundle_inputs(bundle, drafter: str, backend: str, tree_tokens: int, precisio
                       prefill_tokens=_engine_prefill_tokens(bundle, backend),
                       overhead_bytes=overhead, overhead_note=overhead_note, target_file_bytes=file_bytes,
                       scratch_factor=ONNX_SCRATCH_FACTOR if backend not in ("numpy_ref", "gguf") else 1.0,
-                      chunk_outputs=backend == "gguf",
+                      chunk_outputs=backend == "gguf", ggml=backend == "gguf",
                       drafter_scratch=onnx and d_graph)

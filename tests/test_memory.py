@@ -260,3 +260,20 @@ def test_device_memory_is_read_from_nvidia_smi_for_this_process_only(tmp_path, m
     smi.write_text(f"#!/bin/sh\necho '{os.getpid()}, 1500'\necho '1, 9000'\n")
     smi.chmod(0o755)
     assert device_memory_used(os.getpid()) == 1500 * MiB
+
+
+STANDIN = ModelDims(hidden=1024, layers=6, heads=32, kv_heads=8, head_dim=32, intermediate=4096, vocab=3072)
+
+
+def test_llama_cpp_scratch_is_its_compute_work_and_output_buffers_as_the_docstring_works_out():
+    assert memory.ggml_scratch_bytes(STANDIN, 512, 2048) == 224_395_264
+    assert memory.ggml_scratch_bytes(STANDIN, 512, 2047) == memory.ggml_scratch_bytes(STANDIN, 512, 1793)  # n_kv pads
+
+
+@pytest.mark.parametrize("n_kv,logged_mib", [(768, 60.51), (1280, 93.51), (2304, 159.51)])
+def test_llama_cpp_compute_buffer_term_matches_what_llama_cpp_logged_for_the_stand_in(n_kv, logged_mib):
+    """llama.cpp's own 'compute buffer size' lines for the stand-in target (batch 512, flash attention off): the
+    planned compute term (scratch minus the f16 probabilities and the output logits) is within 2 % of them."""
+    t = 512
+    compute = memory.ggml_scratch_bytes(STANDIN, t, n_kv) - 2 * STANDIN.heads * t * n_kv - 4 * t * STANDIN.vocab
+    assert abs(compute / MiB - logged_mib) <= 0.02 * logged_mib
