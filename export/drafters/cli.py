@@ -179,13 +179,7 @@ def _train_eagle(args, cfg, work, target, data, rank, log) -> int:
     result = train(task, target, data, cfg, work, resume=args.resume, log=log)
     if rank != 0:
         return 0
-    base = "zoo/target" if args.target.rstrip("/").endswith("zoo/target") else os.path.abspath(args.target)
-    files = task.export(args.out, {"base_model_name_or_path": base,
-                                   "training": {"command": "edgespec " + " ".join(sys.argv[1:]), "steps": result.steps,
-                                                "seconds": round(result.seconds, 1),
-                                                "final": {k: round(v, 4) for k, v in result.last.items()}}})
-    log(f"wrote {', '.join(files)} ({os.path.getsize(files[0]) / 2**20:.1f} MiB)")
-    return 0
+    return _export_trained(args, task, result, log)
 
 
 def _train_dflash(args, cfg, work, target, data, rank, log) -> int:
@@ -210,6 +204,11 @@ def _train_dflash(args, cfg, work, target, data, rank, log) -> int:
         torch.distributed.destroy_process_group()
     if rank != 0:
         return 0
+    return _export_trained(args, task, result, log)
+
+
+def _export_trained(args, task, result, log) -> int:
+    """Write the trained drafter in its official layout, its config naming the target and how it was trained."""
     base = "zoo/target" if args.target.rstrip("/").endswith("zoo/target") else os.path.abspath(args.target)
     files = task.export(args.out, {"base_model_name_or_path": base,
                                    "training": {"command": "edgespec " + " ".join(sys.argv[1:]), "steps": result.steps,

@@ -21,7 +21,6 @@ Exported in the z-lab layout that export/drafters/dflash.py reads (no embedding,
 selector's codebooks without `.weight`)."""
 from __future__ import annotations
 
-import json
 import os
 from typing import Dict, List, Optional, Sequence
 
@@ -31,9 +30,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from export.drafters.dflash import default_target_layer_ids
-from export.drafters.trainer import DrafterTask, TargetBatch, soft_cross_entropy
+from export.drafters.trainer import DrafterTask, TargetBatch, soft_cross_entropy, write_checkpoint
 from export.zoo.model import MLP, RMSNorm, rotate_half
-from runtime.tensors import write_safetensors
 
 
 class _Attention(nn.Module):
@@ -246,14 +244,7 @@ class DFlashTask(DrafterTask):
         cfg = dict(self.config(), **(config or {}))
         os.makedirs(out_dir, exist_ok=True)
         w = {k: v.astype(np.float16) for k, v in self.official_weights().items()}
-        model = os.path.join(out_dir, "model.safetensors")
-        write_safetensors(model + ".tmp", w)
-        os.replace(model + ".tmp", model)
-        path = os.path.join(out_dir, "config.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(cfg, f, indent=1)
-        os.replace(path + ".tmp", path)
-        return [model, path]
+        return write_checkpoint(out_dir, w, cfg)
 
 
 def _rope(cfg, positions):

@@ -10,7 +10,6 @@ EAGLE-1 adds the official feature regression at step 0 (smooth L1 of the output 
 final-normed hidden state at t+1). Exported in the official layouts that export/drafters/eagle.py loads."""
 from __future__ import annotations
 
-import json
 import os
 from typing import Dict, List, Optional
 
@@ -20,9 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from export.drafters.eagle import default_tap_layers
-from export.drafters.trainer import DrafterTask, TargetBatch, soft_cross_entropy
+from export.drafters.trainer import DrafterTask, TargetBatch, soft_cross_entropy, write_checkpoint
 from export.zoo.model import MLP, RMSNorm, rope_cos_sin, rotate_half
-from runtime.tensors import write_safetensors
 
 
 class _Attention(nn.Module):
@@ -168,11 +166,4 @@ class EagleTask(DrafterTask):
         cfg.update(config or {})
         os.makedirs(out_dir, exist_ok=True)
         w = {k: (v.astype(np.float16) if v.dtype == np.float32 else v) for k, v in self.official_weights().items()}
-        model = os.path.join(out_dir, "model.safetensors")
-        write_safetensors(model + ".tmp", w)
-        os.replace(model + ".tmp", model)
-        path = os.path.join(out_dir, "config.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(cfg, f, indent=1)
-        os.replace(path + ".tmp", path)
-        return [model, path]
+        return write_checkpoint(out_dir, w, cfg)

@@ -19,6 +19,7 @@ Batch i is a pure function of (seed, i), and a checkpoint holds the task, the op
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -199,6 +200,21 @@ def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def write_checkpoint(out_dir: str, weights: Dict[str, np.ndarray], config: Dict) -> List[str]:
+    """A trained drafter in the official HF layout: out_dir/model.safetensors + out_dir/config.json, each written
+    to a temporary name and renamed (atomic). Returns [model, config] paths."""
+    from runtime.tensors import write_safetensors
+
+    model = os.path.join(out_dir, "model.safetensors")
+    write_safetensors(model + ".tmp", weights)
+    os.replace(model + ".tmp", model)
+    path = os.path.join(out_dir, "config.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(config, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return [model, path]
 
 
 def save_checkpoint(path: str, **state) -> None:
