@@ -18,7 +18,6 @@ The step is: EAGLE-1 fc over concat[embed, f] (+ bias), the layer without input 
 EAGLE-3 concat[input_layernorm(embed), hidden_norm(f)] into the 2H attention, the MLP half, norm, lm_head."""
 from __future__ import annotations
 
-import hashlib
 import os
 from typing import Dict, Mapping, Tuple
 
@@ -28,6 +27,7 @@ from torch import nn
 
 from export.onnx import OPSET, DecoderGraph, _rms_norm, _rotate, save_program
 from runtime.backends.onnx import additive_mask
+from runtime.bundle import sha256_of
 from runtime.backends.onnx_net import OnnxNet
 from runtime.drafters.eagle import EagleDrafter
 from runtime.errors import ExportError
@@ -160,14 +160,6 @@ def graph_params(drafter: EagleDrafter) -> Mapping:
     return {"precision": "fp32", "kind": drafter.kind, "inputs": list(INPUTS), "outputs": list(OUTPUTS)}
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def bundle_heads(bundle, target_weights) -> Dict[str, Tuple[EagleDrafter, Tuple[str, ...]]]:
     """One numpy drafter per distinct EAGLE head of a bundle -> (drafter, the entries that share its weights):
     eagle and eagle2 (the same weights with a dynamic tree, possibly in two files) share one graph."""
@@ -180,7 +172,7 @@ def bundle_heads(bundle, target_weights) -> Dict[str, Tuple[EagleDrafter, Tuple[
     for name, entry in bundle.drafters.items():
         if entry.kind not in ("eagle", "eagle3"):
             continue
-        key = (entry.kind, tuple(_sha256(bundle.path(f)) for f in entry.files),
+        key = (entry.kind, tuple(sha256_of(bundle.path(f)) for f in entry.files),
                repr(sorted((k, v) for k, v in entry.params.items() if k != "tree")))
         if key in by_files:
             first = by_files[key]
