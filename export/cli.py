@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 
 # Each module has `register(subparsers)`.
-EXPORT_COMMANDS = ["export.bundle_cli", "export.onnx_cli", "export.zoo.cli", "export.drafters.cli"]
+EXPORT_COMMANDS = ["export.bundle.cli", "export.compile", "export.zoo.cli", "export.drafters.cli"]
 
 
 def register(sub) -> None:

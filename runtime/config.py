@@ -28,7 +28,7 @@ def limits(default: Any = dataclasses.MISSING, *, min=None, max=None, choices=No
 @dataclass(frozen=True)
 class MemoryConfig:
     budget_mb: float = limits(0.0, min=0.0, doc="MiB the whole process may hold (weights, KV, scratch, runtime: "
-                                                "runtime/memory.py plans it); the KV arena gets what is left; "
+                                                "runtime/memory/plan.py plans it); the KV arena gets what is left; "
                                                 "0 = no budget, size the arena from max_context")
     max_context: int = limits(2048, min=16, max=1 << 20, doc="positions the KV cache holds per model")
     prefix_cache: bool = limits(True, doc="keep the K/V rows of the prompt prefix a request shares with the previous "
@@ -47,7 +47,7 @@ class BackendConfig:
                                 "int8 / int4 = the weight-only quantised graph, which then IS the target")
     cuda_graphs: bool = limits(False, doc="tensorrt: replay decode/verify steps as CUDA graphs (past padded to "
                                           "64-row buckets); prefills run eagerly")
-    # Batch-1 gemv on shared cores is fastest single-threaded (see runtime/blas.py); 0 = numpy's default.
+    # Batch-1 gemv on shared cores is fastest single-threaded (see runtime/serving/blas.py); 0 = numpy's default.
     blas_threads: int = limits(1, min=0, max=256, doc="numpy BLAS threads for the numpy backend and drafters")
 
 

@@ -6,7 +6,7 @@ Speculative decoding is exact with respect to the PROCESSED target distribution,
     allowed mask & grammar mask -> repetition penalty -> greedy one-hot | temperature -> top-k -> top-p -> min-p
     -> renormalise
 
-The grammar mask (runtime/grammar.py) differs per row (each verify row has its own path), so it is passed
+The grammar mask (runtime/text/grammar.py) differs per row (each verify row has its own path), so it is passed
 per call, not in SamplingParams.
 """
 

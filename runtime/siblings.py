@@ -12,7 +12,7 @@ siblings it never spends a verify row on a duplicate.
 Why the obvious shortcut is wrong: drawing i.i.d. from q and dropping duplicates skips the rejection step
 the duplicate would have made, and that step also moves the residual (p'' = norm(max(0, p' - q))), so the
 final correction is drawn from the wrong law. The bias is largest where q is peaked, i.e. where duplicates
-are common (issue 10; `runtime.certify.dedup_siblings` keeps that rule as a power control).
+are common (issue 10; `runtime.certify.run.dedup_siblings` keeps that rule as a power control).
 """
 from __future__ import annotations
 

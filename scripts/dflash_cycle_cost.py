@@ -14,11 +14,11 @@ import numpy as np
 
 from runtime.backends.factory import load_weights
 from runtime.drafters.dflash import DFlashDrafter, DFlashParams, dflash_weight_names, dflash_weight_shapes
-from runtime.engine import Engine
-from runtime.kv import CacheShape, KVArena
-from runtime.model_spec import ModelSpec
+from runtime.decode.engine import Engine
+from runtime.memory.kv import CacheShape, KVArena
+from runtime.model.spec import ModelSpec
 from runtime.sampling import SamplingParams
-from runtime.session import Session
+from runtime.serving.session import Session
 
 
 def untrained_drafter(spec, embed, v2: bool, block: int, layers: int = 2) -> DFlashDrafter:

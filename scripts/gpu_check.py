@@ -6,7 +6,7 @@ edgespec's GPU paths and print one summary table.
     greedy identity and speed (`edgespec bench`), a short `edgespec certify`;
   TensorRT (when its bindings and cuda-python import): engines built (`edgespec export --to tensorrt`), the same
     equivalence (eager and with CUDA graphs), bench and certify, bench again with CUDA graphs, and the forward cost
-    by new tokens x context (`python -m runtime.bench_backend`).
+    by new tokens x context (`python -m runtime.commands.bench_backend`).
 
 It works on a copy of the zoo bundle under --work, never on build/bundles. Nothing is downloaded unless pip can
 reach an index (tried once, with a 5 s timeout); whatever is missing is named in the table as SKIPPED, with the
@@ -118,11 +118,11 @@ def equivalence(bundle: str, backend: str, config: str) -> Tuple[bool, str]:
     verify, then keep() of a path and one more decode. Returns (within FP16_TOL, detail)."""
     import numpy as np
 
-    from runtime import bundle as bundle_mod
+    from runtime.model import bundle as bundle_mod
     from runtime.backends.factory import load_weights, open_model
     from runtime.backends.numpy_ref import NumpyTarget, cache_shape
     from runtime.config import load_config
-    from runtime.kv import KVArena
+    from runtime.memory.kv import KVArena
 
     b = bundle_mod.load(bundle)
     spec, cfg = b.target.spec, load_config(config)
@@ -253,7 +253,7 @@ def execute(steps, args, start: float) -> List[Tuple[str, str, str, float, str]]
             elif check == "equivalence, CUDA graphs":
                 ok, detail = equivalence(bundle, "tensorrt", graphs_cfg)
             elif check == "forward cost by T x ctx":
-                rc, out = run([sys.executable, "-m", "runtime.bench_backend", "--bundle", bundle, "--backend",
+                rc, out = run([sys.executable, "-m", "runtime.commands.bench_backend", "--bundle", bundle, "--backend",
                                "tensorrt", "--contexts", "64", "512", "--repeats", "5"], left)
                 print(out)  # the whole table goes above the summary
                 lines = [ln for ln in out.splitlines() if "bandwidth" in ln or "decode" in ln]

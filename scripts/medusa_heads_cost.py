@@ -12,10 +12,10 @@ import time
 
 import numpy as np
 
-from runtime import bundle as bundle_io
+from runtime.model import bundle as bundle_io
 from runtime.backends.onnx_net import OnnxNet
 from runtime.drafters.medusa import MedusaDrafter
-from runtime.tensors import read_safetensors
+from runtime.model.tensors import read_safetensors
 
 ROUNDS, CALLS = 7, 40
 

@@ -28,11 +28,11 @@ from runtime.backends.onnx_net import OnnxNet
 from runtime.commands.bench import BENCH_REQUESTS, bench_prompts
 from runtime.config import RuntimeConfig
 from runtime.drafters.medusa import MedusaDrafter, standard_trees
-from runtime.engine import Engine
-from runtime.prompts import format_observation
+from runtime.decode.engine import Engine
+from runtime.text.prompts import format_observation
 from runtime.sampling import SamplingParams
-from runtime.session import Session
-from runtime.tensors import read_safetensors
+from runtime.serving.session import Session
+from runtime.model.tensors import read_safetensors
 
 CALIBRATION = [("planner", {"instruction": s, "context": ""}) for s in (
     "bring two apples from the kitchen to the office", "open the fridge and put the milk on the table",

@@ -15,8 +15,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from runtime.prompts import OBS_DIMS  # noqa: E402
-from runtime.session import GenerationParams, Session  # noqa: E402
+from runtime.text.prompts import OBS_DIMS  # noqa: E402
+from runtime.serving.session import GenerationParams, Session  # noqa: E402
 
 
 def main() -> int:

@@ -11,7 +11,7 @@ import statistics
 
 from runtime.commands.bench import bench_prompts
 from runtime.sampling import SamplingParams
-from runtime.session import Session
+from runtime.serving.session import Session
 from runtime.siblings import iid_with_replacement, without_replacement
 
 CONFIGS = [("chain k=4", 1, without_replacement), ("tree b=2, without replacement", 2, without_replacement),

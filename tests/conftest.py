@@ -1,6 +1,6 @@
 import pytest
 
-from tests.tiny_bundle import make_tiny_bundle
+from tests.support.tiny_bundle import make_tiny_bundle
 
 
 @pytest.fixture(scope="session")
@@ -12,10 +12,10 @@ def tiny_bundle(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_fp16_graph(tiny_bundle, tmp_path_factory):
     """(spec, path) of the tiny bundle's target exported as an fp16 ONNX graph (taps: final_norm): the graph
-    TensorRT engines are built from (tests/test_tensorrt.py, tests/test_quantize.py)."""
-    from export.onnx import export_target_onnx
-    from runtime import bundle as bundle_mod
-    from runtime.tensors import read_safetensors
+    TensorRT engines are built from (tests/runtime/backends/test_tensorrt.py, tests/export/tensorrt/test_quantize.py)."""
+    from export.onnx.graph import export_target_onnx
+    from runtime.model import bundle as bundle_mod
+    from runtime.model.tensors import read_safetensors
 
     b = bundle_mod.load(tiny_bundle)
     weights = read_safetensors(b.path(b.target.backends["numpy_ref"].files[0]))

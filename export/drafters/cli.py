@@ -185,7 +185,7 @@ def _train_eagle(args, cfg, work, target, data, rank, log) -> int:
 def _train_dflash(args, cfg, work, target, data, rank, log) -> int:
     from export.drafters.dflash_train import DFlashTask
     from export.drafters.trainer import train
-    from runtime.prompts import PAD
+    from runtime.text.prompts import PAD
 
     from tokenizers import Tokenizer
 

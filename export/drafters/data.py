@@ -29,7 +29,7 @@ def build_token_data(tokenizer_json: str, work: str, seed: int, n_planner: int, 
     from export.zoo.planner_data import generate_planner_examples
     from export.zoo.text_data import load_works, split_text
     from export.zoo.train import TEXT_CACHE
-    from runtime.prompts import BOS, EOS, TEXT
+    from runtime.text.prompts import BOS, EOS, TEXT
 
     t0 = time.time()
     texts = {"planner_train": [e.text for e in generate_planner_examples(seed * 1000 + 11, n_planner)],

@@ -14,12 +14,12 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from export.hf_reader import read_weights, shard_files
-from runtime.bundle import BundleWriter
+from export.bundle.hf_reader import read_weights, shard_files
+from runtime.model.bundle import BundleWriter
 from runtime.drafters.dflash import DFlashParams, check_dflash_weights
 from runtime.errors import BundleError
-from runtime.model_spec import ModelSpec
-from runtime.tensors import safetensors_dtypes, write_safetensors
+from runtime.model.spec import ModelSpec
+from runtime.model.tensors import safetensors_dtypes, write_safetensors
 
 V2_KEYS = ("conv_group_size", "conv_kernel_size", "selector_rank", "selector_top_k")
 

@@ -19,10 +19,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from export.onnx import OPSET, save_program
+from export.onnx.graph import OPSET, save_program
 from runtime.drafters.dflash import DFlashParams, dflash_weight_names
 from runtime.errors import ExportError
-from runtime.model_spec import ModelSpec
+from runtime.model.spec import ModelSpec
 
 TOLERANCE = 1e-4  # max |numpy - onnx| over the draft logits, relative to their max |value|
 
@@ -135,7 +135,7 @@ def compare_with_numpy(spec: ModelSpec, params: DFlashParams, weights: Mapping[s
     block_size and 8 (when smaller)."""
     from runtime.backends.onnx_net import OnnxNet
     from runtime.drafters.dflash import DFlashDrafter
-    from runtime.kv import CacheShape, KVArena
+    from runtime.memory.kv import CacheShape, KVArena
 
     net = OnnxNet(graph, label="dflash")
     rng = np.random.default_rng(seed)

@@ -30,11 +30,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from export.hf_reader import read_weights
-from runtime.bundle import BundleWriter, load as load_bundle
+from export.bundle.hf_reader import read_weights
+from runtime.model.bundle import BundleWriter, load as load_bundle
 from runtime.errors import BundleError
-from runtime.model_spec import ModelSpec
-from runtime.tensors import write_safetensors
+from runtime.model.spec import ModelSpec
+from runtime.model.tensors import write_safetensors
 
 KINDS = ("eagle", "eagle3")
 LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",

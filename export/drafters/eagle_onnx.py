@@ -25,13 +25,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from export.onnx import OPSET, DecoderGraph, _rms_norm, _rotate, save_program
+from export.onnx.graph import OPSET, DecoderGraph, rms_norm, rotate, save_program
 from runtime.backends.onnx import additive_mask
-from runtime.bundle import sha256_of
+from runtime.model.bundle import sha256_of
 from runtime.backends.onnx_net import OnnxNet
 from runtime.drafters.eagle import EagleDrafter
 from runtime.errors import ExportError
-from runtime.layers import causal_mask
+from runtime.model.layers import causal_mask
 
 INPUTS = ("input_ids", "features", "position_ids", "attention_mask", "past_key", "past_value")
 OUTPUTS = ("logits", "hidden", "new_key", "new_value")
@@ -75,8 +75,8 @@ class EagleStepGraph(nn.Module):
                 x = x + self.w("fc.bias")
             attn_in = x  # no input norm on EAGLE-1's layer
         else:
-            hn = _rms_norm(features, self.w(p + "hidden_norm.weight"), eps)
-            attn_in = torch.cat([_rms_norm(emb, self.w(p + "input_layernorm.weight"), eps), hn], dim=-1)  # (T, 2H)
+            hn = rms_norm(features, self.w(p + "hidden_norm.weight"), eps)
+            attn_in = torch.cat([rms_norm(emb, self.w(p + "input_layernorm.weight"), eps), hn], dim=-1)  # (T, 2H)
             x = hn if self.norm_before_residual else features
         q = attn_in @ self.w(p + "self_attn.q_proj.weight").t()
         k = attn_in @ self.w(p + "self_attn.k_proj.weight").t()
@@ -86,14 +86,14 @@ class EagleStepGraph(nn.Module):
         freqs = position_ids.float()[:, None] * self.inv_freq[None, :]  # (T, d/2)
         rope = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # (T, 1, d)
         cos, sin = rope.cos(), rope.sin()
-        q = _rotate(q.reshape(t, nh, d), cos, sin)
-        k = _rotate(k.reshape(t, nkv, d), cos, sin)
+        q = rotate(q.reshape(t, nh, d), cos, sin)
+        k = rotate(k.reshape(t, nkv, d), cos, sin)
         v = v.reshape(t, nkv, d)
         x = x + self._attention(q, k, v, past_key, past_value, attention_mask) @ self.w(p + "self_attn.o_proj.weight").t()
-        h = _rms_norm(x, self.w(p + "post_attention_layernorm.weight"), eps)
+        h = rms_norm(x, self.w(p + "post_attention_layernorm.weight"), eps)
         gate = h @ self.w(p + "mlp.gate_proj.weight").t()
         x = x + (torch.nn.functional.silu(gate) * (h @ self.w(p + "mlp.up_proj.weight").t())) @ self.w(p + "mlp.down_proj.weight").t()
-        out = x if self.kind == "eagle" else _rms_norm(x, self.w("norm.weight"), eps)
+        out = x if self.kind == "eagle" else rms_norm(x, self.w("norm.weight"), eps)
         return out @ self.w("head").t(), x, k, v
 
 
@@ -164,8 +164,8 @@ def bundle_heads(bundle, target_weights) -> Dict[str, Tuple[EagleDrafter, Tuple[
     """One numpy drafter per distinct EAGLE head of a bundle -> (drafter, the entries that share its weights):
     eagle and eagle2 (the same weights with a dynamic tree, possibly in two files) share one graph."""
     from runtime.backends.numpy_ref import cache_shape
-    from runtime.kv import KVArena
-    from runtime.session import build_eagle
+    from runtime.memory.kv import KVArena
+    from runtime.serving.session import build_eagle
 
     heads: Dict[str, Tuple[EagleDrafter, Tuple[str, ...]]] = {}
     by_files: Dict[Tuple, str] = {}

@@ -86,8 +86,8 @@ def _strip_medusa2(weights: Dict[str, np.ndarray], source: str) -> Dict[str, np.
 def read_medusa(path: str, hidden: Optional[int] = None, vocab: Optional[int] = None) -> MedusaHeads:
     """Medusa heads from a head file, a directory holding one, or a Medusa-2 checkpoint directory/file.
     Raises BundleError naming the file and the first key that does not fit the official layout."""
-    from export.hf_reader import shard_files
-    from runtime.tensors import read_safetensors, safetensors_dtypes
+    from export.bundle.hf_reader import shard_files
+    from runtime.model.tensors import read_safetensors, safetensors_dtypes
 
     config: Dict = {}
     folder = path if os.path.isdir(path) else os.path.dirname(path)
@@ -130,8 +130,8 @@ def read_medusa(path: str, hidden: Optional[int] = None, vocab: Optional[int] = 
 
 def write_medusa(out_dir: str, weights: Dict[str, np.ndarray], config: Dict) -> List[str]:
     """Write `medusa_lm_head.safetensors` (fp16) + `config.json` into out_dir, each atomically. -> paths."""
-    from runtime.bundle import write_atomically
-    from runtime.tensors import write_safetensors
+    from runtime.model.bundle import write_atomically
+    from runtime.model.tensors import write_safetensors
 
     num_heads, num_layers = medusa_layout(weights, "the heads to write")
     os.makedirs(out_dir, exist_ok=True)
@@ -152,10 +152,10 @@ def write_medusa(out_dir: str, weights: Dict[str, np.ndarray], config: Dict) -> 
 
 
 def add_medusa_to_bundle(writer, source: str, spec) -> List[str]:
-    """Copy Medusa heads into a bundle being written (`runtime.bundle.BundleWriter`) as two drafters over one
+    """Copy Medusa heads into a bundle being written (`runtime.model.bundle.BundleWriter`) as two drafters over one
     file: `medusa` (a tree: the one the heads' config names (`medusa_tree`), else their own `medusa_choices`,
     else the published mc_sim_7b_63) and `medusa_chain` (the top-1 chain). Returns the drafter names."""
-    from runtime.tensors import write_safetensors
+    from runtime.model.tensors import write_safetensors
 
     heads = read_medusa(source, spec.hidden_size, spec.vocab_size)
     rel = f"medusa/{HEAD_FILE}"

@@ -16,11 +16,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from export.onnx import OPSET, save_program
+from export.onnx.graph import OPSET, save_program
 from runtime.backends.onnx_net import OnnxNet
 from runtime.drafters.medusa import MedusaDrafter
 from runtime.errors import ExportError
-from runtime.tensors import read_safetensors
+from runtime.model.tensors import read_safetensors
 
 TOLERANCE = 1e-4  # max |logit difference| against the numpy heads (fp32 measures ~1e-6: summation order)
 
@@ -100,8 +100,7 @@ def add_medusa_onnx(bundle_dir: str) -> List[str]:
     does both): staged, checked, then moved into onnx/ and recorded. Returns the files written."""
     import shutil
 
-    from runtime import bundle as bundle_mod
-
+    from runtime.model import bundle as bundle_mod
     b = bundle_mod.load(bundle_dir)
     writer = bundle_mod.BundleWriter.extend(bundle_dir)
     staging = tempfile.mkdtemp(prefix=".onnx-export-", dir=bundle_dir)

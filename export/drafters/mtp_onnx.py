@@ -9,7 +9,7 @@ Contract (runtime.drafters.mtp.GRAPH_INPUTS / GRAPH_OUTPUTS), T new rows, P past
   outputs  logits          float32 (1, V)        the last row's (the only one drafting reads)
            hidden_out      float32 (T, H)        the module's output, before its out norm (the next module's input)
            new_key/value   kv      (T, nkv, d)   only the new rows; the drafter writes them into its cache
-The decoder layer, rope and attention are export/onnx.py's DecoderGraph blocks; the graph's copy of the
+The decoder layer, rope and attention are export/onnx/graph.py's DecoderGraph blocks; the graph's copy of the
 target's embedding / LM head points at the target graph's data file (share_initializers), so a bundle
 holds them once. The numpy module (runtime.drafters.mtp.MTPModule) is the oracle the export is checked against."""
 from __future__ import annotations
@@ -21,12 +21,12 @@ from typing import List, Mapping
 import numpy as np
 import torch
 
-from export.onnx import (OPSET, PRECISIONS, DecoderGraph, _rms_norm, check_against_reference, save_program,
+from export.onnx.graph import (OPSET, PRECISIONS, DecoderGraph, rms_norm, check_against_reference, save_program,
                          share_initializers)
 from runtime.backends.onnx_net import OnnxNet
 from runtime.drafters.mtp import GRAPH_INPUTS, GRAPH_OUTPUTS, MTPModule, module_keys, mtp_cache_shape
-from runtime.kv import KVArena
-from runtime.model_spec import ModelSpec
+from runtime.memory.kv import KVArena
+from runtime.model.spec import ModelSpec
 
 
 def _module(spec: ModelSpec, weights: Mapping[str, np.ndarray], target: Mapping[str, np.ndarray], layout: str,
@@ -52,13 +52,13 @@ class MTPModuleGraph(DecoderGraph):
 
     def forward(self, hidden, input_ids, position_ids, attention_mask, past_key, past_value):
         eps = self.spec.rms_norm_eps
-        e = _rms_norm(self.w("embed")[input_ids], self.w("mtp.emb_norm"), eps)  # (T, H)
-        h = _rms_norm(hidden.to(self.dtype), self.w("mtp.hidden_norm"), eps)
+        e = rms_norm(self.w("embed")[input_ids], self.w("mtp.emb_norm"), eps)  # (T, H)
+        h = rms_norm(hidden.to(self.dtype), self.w("mtp.hidden_norm"), eps)
         x = torch.cat([e, h], dim=-1) @ self.w("mtp.proj").t()  # (T, H)
         cos, sin = self.rope(position_ids)
         out, k, v = self.decoder_layer(self.layer, x, cos, sin, past_key, past_value, attention_mask)
         head = self.w("embed") if self.tied else self.w("head")
-        logits = (_rms_norm(out[-1:], self.w("mtp.out_norm"), eps) @ head.t()).float()  # (1, V)
+        logits = (rms_norm(out[-1:], self.w("mtp.out_norm"), eps) @ head.t()).float()  # (1, V)
         return logits, out.float(), k, v
 
 

@@ -205,7 +205,7 @@ def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
 def write_checkpoint(out_dir: str, weights: Dict[str, np.ndarray], config: Dict) -> List[str]:
     """A trained drafter in the official HF layout: out_dir/model.safetensors + out_dir/config.json, each written
     to a temporary name and renamed (atomic). Returns [model, config] paths."""
-    from runtime.tensors import write_safetensors
+    from runtime.model.tensors import write_safetensors
 
     model = os.path.join(out_dir, "model.safetensors")
     write_safetensors(model + ".tmp", weights)

@@ -16,8 +16,8 @@ from typing import List, Tuple
 
 import numpy as np
 
-from runtime.actions import DEFAULT_HIGH, DEFAULT_LOW
-from runtime.prompts import ACTION_CHUNK, ACTION_TOKENS, EOS, action_prompt, format_observation
+from runtime.text.actions import DEFAULT_HIGH, DEFAULT_LOW
+from runtime.text.prompts import ACTION_CHUNK, ACTION_TOKENS, EOS, action_prompt, format_observation
 from export.zoo.planner_data import ATTRIBUTES, NOUNS, SURFACES
 
 MAX_STEP = 0.05  # m per step, the controller's saturation (= the action range)
@@ -41,7 +41,7 @@ class ActionExample:
 
 
 def to_bins(actions) -> np.ndarray:
-    """(N, 7) -> (N*7,) bin indices (the same rule as runtime.actions.ActionTokenizer.encode)."""
+    """(N, 7) -> (N*7,) bin indices (the same rule as runtime.text.actions.ActionTokenizer.encode)."""
     low, high = np.asarray(DEFAULT_LOW), np.asarray(DEFAULT_HIGH)
     a = np.clip(np.asarray(actions, dtype=np.float64), low, high)
     return np.clip(np.floor((a - low) / ((high - low) / 256)), 0, 255).astype(np.int64).reshape(-1)

@@ -18,7 +18,12 @@ def _build(args) -> int:
         print("edgespec zoo build: --quick never writes over the shipped zoo; pick another --out", file=sys.stderr)
         return 2
     cmd = "edgespec zoo build" + (" --quick" if args.quick else "")
-    build(out, quick=args.quick, resume=args.resume, command=cmd, run_report=not args.no_report)
+    build(out, quick=args.quick, resume=args.resume, command=cmd)
+    if not args.no_report:
+        from export.zoo.report import quality_report
+        from export.zoo.train import FULL, QUICK
+
+        quality_report(out, n=(QUICK if args.quick else FULL).report_examples)
     print(f"zoo written to {out}")
     return 0
 
@@ -43,8 +48,8 @@ def _standin(args) -> int:
     print(f"standin: {args.out}: {params / 1e6:.1f} M params ({4 * params / 1e6:.0f} MB fp32), "
           f"written in {time.perf_counter() - t0:.1f} s")
     if args.bundle:
-        from export.bundle_builder import build_bundle
-        from export.onnx import add_onnx_to_bundle
+        from export.bundle.builder import build_bundle
+        from export.onnx.bundle import add_onnx_to_bundle
 
         name = os.path.basename(os.path.normpath(os.path.abspath(args.bundle)))
         name = name if "standin" in name else name + "-standin"  # `edgespec bench` labels rows by this name

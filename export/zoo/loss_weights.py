@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runtime.prompts import EOS, SEP, SPECIAL_TOKENS
+from runtime.text.prompts import EOS, SEP, SPECIAL_TOKENS
 
 SEP_ID = SPECIAL_TOKENS.index(SEP)
 EOS_ID = SPECIAL_TOKENS.index(EOS)

@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
-from runtime.prompts import plan_to_json, planner_prompt, EOS
+from runtime.text.prompts import plan_to_json, planner_prompt, EOS
 
 ROOMS = ["kitchen", "living room", "bedroom", "bathroom", "office", "garage", "hallway", "dining room",
          "lab", "laundry room", "workshop", "storage room"]

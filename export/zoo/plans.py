@@ -1,5 +1,5 @@
 """`edgespec zoo plans`: does the zoo planner write plans a robot can run, with and without the plan schema
-(configs/plan_schema.json enforced while decoding, runtime/grammar.py)?
+(configs/plan_schema.json enforced while decoding, runtime/text/grammar.py)?
 
 On the held-out planner prompts (the zoo's own split) and on OUT_OF_DISTRIBUTION instructions (written by
 hand, phrased unlike the generator), each prompt is decoded greedily under four configurations run back to
@@ -73,7 +73,7 @@ def heldout_prompts(n: int, zoo: Optional[str] = None) -> List[tuple]:
 
 def valid_plan(text: str, validator) -> bool:
     from runtime.errors import RequestError
-    from runtime.prompts import parse_plan
+    from runtime.text.prompts import parse_plan
 
     try:
         steps = parse_plan(text)
@@ -93,8 +93,8 @@ def schema_validator(schema: dict):
 
 def measure(session_factory, prompts: List[tuple], schema: dict, drafter: str, progress=None):
     """Run every prompt under the four configurations; returns (per-configuration rows of every prompt, backend)."""
-    from runtime.prompts import parse_plan
-    from runtime.session import GenerationParams
+    from runtime.text.prompts import parse_plan
+    from runtime.serving.session import GenerationParams
 
     sessions = {"none": session_factory("none"), CONTROL: session_factory("none"), drafter: session_factory(drafter)}
     configs = [(d, g) for d in ("none", CONTROL, drafter) for g in (False, True)]
@@ -159,7 +159,7 @@ def summarise(rows: Dict[tuple, List[dict]], drafter: str) -> List[dict]:
 
 def run(args) -> int:
     from runtime.commands.common import runtime_config
-    from runtime.session import Session
+    from runtime.serving.session import Session
 
     with open(SCHEMA_PATH) as f:
         schema = json.load(f)

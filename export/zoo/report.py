@@ -20,9 +20,9 @@ from export.zoo.loss_weights import ValueMarkers
 from export.zoo.model import load_hf
 from export.zoo.planner_data import split_planner
 from export.zoo.train import DOMAINS, TEXT_CACHE, heldout_metrics, log, read_manifest
-from runtime.actions import ActionTokenizer
+from runtime.text.actions import ActionTokenizer
 from runtime.errors import RequestError
-from runtime.prompts import ACTION_CHUNK, ACTION_DIMS, BOS, EOS, TEXT, parse_plan, plan_objects
+from runtime.text.prompts import ACTION_CHUNK, ACTION_DIMS, BOS, EOS, TEXT, parse_plan, plan_objects
 
 
 def _heldout_data(zoo: str, manifest: dict, tok) -> tuple:

@@ -39,9 +39,9 @@ from typing import Dict, Tuple
 
 import numpy as np
 
-from export.hf_reader import read_hf_checkpoint
+from export.bundle.hf_reader import read_hf_checkpoint
 from runtime.errors import ConfigError
-from runtime.tensors import write_safetensors
+from runtime.model.tensors import write_safetensors
 
 NORM_SUFFIXES = ("layernorm.weight", "norm.weight")  # input_/post_attention_layernorm, model.norm, enorm, hnorm
 
@@ -230,7 +230,7 @@ def write_standin_dflash(src: str, out: str, hidden: int = 1024, intermediate: i
     """The widened DFlash drafter of checkpoint dir `src` at `out` (config.json, model.safetensors): fp16 if it
     was and the norm scale sqrt(H/H') is a power of two (1/2 for the zoo's 256 -> 1024: exact), else float32
     (an fp16 norm weight x 0.816 would round by ~1e-3 and move the draft logits by as much)."""
-    from export.hf_reader import read_weights
+    from export.bundle.hf_reader import read_weights
 
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
@@ -251,7 +251,7 @@ def add_standin_dflash(zoo: str, out: str, bundle_dir: str, hidden: int, interme
     """Pad the zoo's DFlash drafters (zoo/dflash, zoo/dflash2, where present) into `out` and add them to the
     stand-in bundle under the zoo bundle's drafter names (dflash, dflash_b8, dflash2, dflash2_b8)."""
     from export.drafters.dflash import add_dflash_drafter
-    from runtime.bundle import BundleWriter, load as load_bundle
+    from runtime.model.bundle import BundleWriter, load as load_bundle
 
     srcs = [s for s in ("dflash", "dflash2") if os.path.isfile(os.path.join(zoo, s, "model.safetensors"))]
     if not srcs:
@@ -286,7 +286,7 @@ def write_standin(src: str, out: str, hidden: int = 1024, intermediate: int = 40
 def write_standin_eagle(src: str, out: str, hidden: int = 1024, intermediate: int = 4096, kv_heads: int = 8) -> str:
     """The widened EAGLE head of checkpoint dir `src` (config.json, model.safetensors) at `out`, in the head's
     own float dtype (the padding is exact: zeros, and norm weights x sqrt(H/H'), a power of two here)."""
-    from export.hf_reader import read_weights
+    from export.bundle.hf_reader import read_weights
 
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)

@@ -13,7 +13,7 @@ from typing import Iterable
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from runtime.prompts import SPECIAL_TOKENS
+from runtime.text.prompts import SPECIAL_TOKENS
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:

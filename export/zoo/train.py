@@ -23,7 +23,7 @@ from export.zoo.model import LlamaConfig, LlamaLM, load_hf, save_hf
 from export.zoo.planner_data import split_planner
 from export.zoo.text_data import load_works, split_text, training_corpus
 from export.zoo.tokenizer import strip_specials, train_tokenizer
-from runtime.prompts import BOS, EOS, PAD, SEP, SPECIAL_TOKENS, TEXT
+from runtime.text.prompts import BOS, EOS, PAD, SEP, SPECIAL_TOKENS, TEXT
 
 DOMAINS = ("planner", "action", "text")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -405,8 +405,9 @@ def heldout_metrics(target: LlamaLM, draft: Optional[LlamaLM], data: Dict[str, l
 
 # ---- the build ----------------------------------------------------------------------------------------------------
 
-def build(out: str, quick: bool = False, resume: bool = False, command: str = "edgespec zoo build",
-          run_report: bool = True) -> dict:
+def build(out: str, quick: bool = False, resume: bool = False, command: str = "edgespec zoo build") -> dict:
+    """Train the zoo into `out` and write its MANIFEST; the quality report (export/zoo/report.py) is the CLI's
+    next step, so that the report may read this module's held-out sets without a circle."""
     cfg = QUICK if quick else FULL
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -463,11 +464,6 @@ def build(out: str, quick: bool = False, resume: bool = False, command: str = "e
     metrics = heldout_metrics(t16, d16, data, markers=markers)
     log("held-out: " + json.dumps(metrics))
     manifest = write_manifest(out, cfg, command, times, metrics, t16, d16, steps_run)
-    if run_report:
-        from export.zoo.report import quality_report
-
-        quality_report(out, n=cfg.report_examples)
-        manifest = read_manifest(out)
     log(f"done: {out}")
     return manifest
 
@@ -511,7 +507,7 @@ def write_manifest(out, cfg: BuildConfig, command, times, metrics, target, draft
                 "aux_loss_weight": cfg.mtp_weight},
         "dtype": "float16",
         "tokenizer": "byte-level BPE (tokenizers); words, punctuation runs and whitespace runs pre-split apart (a "
-                     "word is one token sequence wherever it stands); specials first: see runtime/prompts.py "
+                     "word is one token sequence wherever it stands); specials first: see runtime/text/prompts.py "
                      "SPECIAL_TOKENS",
     }
     manifest["total_bytes"] = manifest["models"]["target"]["bytes"] + manifest["models"]["draft"]["bytes"]

@@ -16,7 +16,7 @@ from typing import Dict, Optional, Protocol, Sequence
 
 import numpy as np
 
-from runtime.model_spec import ModelSpec
+from runtime.model.spec import ModelSpec
 
 
 def parse_tap(name: str, num_layers: int):
@@ -65,7 +65,7 @@ class TargetBackend(Protocol):
 
 
 class CacheRows:
-    """The KV bookkeeping every backend shares: `self.cache` is its view of the arena (runtime/kv.py), and
+    """The KV bookkeeping every backend shares: `self.cache` is its view of the arena (runtime/memory/kv.py), and
     these read through to it. A backend whose cache is not only rows (llama.cpp's) overrides `reset`."""
 
     cache: object

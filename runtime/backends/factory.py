@@ -4,12 +4,12 @@ from __future__ import annotations
 import importlib.util
 from typing import Sequence
 
-from runtime.bundle import Bundle, BackendFiles
+from runtime.model.bundle import Bundle, BackendFiles
 from runtime.config import BackendConfig
 from runtime.errors import BundleError
-from runtime.kv import KVCache
-from runtime.model_spec import ModelSpec
-from runtime.tensors import read_safetensors
+from runtime.memory.kv import KVCache
+from runtime.model.spec import ModelSpec
+from runtime.model.tensors import read_safetensors
 
 BACKENDS = ("numpy_ref", "onnx", "gguf", "tensorrt")
 

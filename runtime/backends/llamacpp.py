@@ -37,8 +37,8 @@ import numpy as np
 
 from runtime.backends.base import CacheRows, ForwardResult, parse_tap
 from runtime.errors import BackendError
-from runtime.kv import KVCache
-from runtime.model_spec import ModelSpec
+from runtime.memory.kv import KVCache
+from runtime.model.spec import ModelSpec
 
 SUPPORTED_TAPS = ("final_norm",)
 MAX_SEQUENCES = 64  # branch sequences a tree may use (leaves per verify forward); llama.cpp allows 256

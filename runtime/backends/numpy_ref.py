@@ -11,10 +11,10 @@ import numpy as np
 
 from runtime.backends.base import CacheRows, ForwardResult, parse_tap
 from runtime.errors import BundleError
-from runtime.kv import CacheShape, KVCache
-from runtime.layers import (causal_mask, decoder_layer, decoder_layer_weight_names, rms_norm, rope_cos_sin,
+from runtime.memory.kv import CacheShape, KVCache
+from runtime.model.layers import (causal_mask, decoder_layer, decoder_layer_weight_names, rms_norm, rope_cos_sin,
                             rope_inv_freq)
-from runtime.model_spec import ModelSpec
+from runtime.model.spec import ModelSpec
 
 
 def cache_shape(spec: ModelSpec) -> CacheShape:

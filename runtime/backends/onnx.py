@@ -10,7 +10,7 @@ single position-major (P, L, nkv, d) input would make the graph split the past i
 of the cache every step, measured at ~25% of a 125M model's step at context 2048). Rolling back is a
 smaller P; after a tree verify `keep` moves only the accepted rows.
 
-A graph exported with `--attention gqa` (ONNX Runtime's GroupQueryAttention, export/onnx_gqa.py) has outputs
+A graph exported with `--attention gqa` (ONNX Runtime's GroupQueryAttention, export/onnx/gqa.py) has outputs
 present_key_{i} instead of new_key_{i}: the op takes one shared past/present buffer per layer in BNSH form, so
 this backend then reads its arena HEAD-major, (L, nkv, max_pos, d), binds layer i's whole block
 (1, nkv, max_pos, d) as both past_key_i and present_key_i, and the op writes rows [P, P+T) in place.
@@ -31,8 +31,8 @@ from runtime.backends.base import CacheRows, ForwardResult, parse_tap
 from runtime.backends.onnx_arena import OrtKVArena, device_for
 from runtime.backends.onnx_net import bundle_of, import_ort, open_session
 from runtime.errors import BackendError
-from runtime.kv import KVCache
-from runtime.model_spec import ModelSpec
+from runtime.memory.kv import KVCache
+from runtime.model.spec import ModelSpec
 
 _ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
@@ -48,7 +48,7 @@ def additive_mask(mask: np.ndarray) -> np.ndarray:
 
 
 def causal_additive_mask(cache_len: int, t: int) -> np.ndarray:
-    """The additive form of runtime.layers.causal_mask, built without an intermediate bool array."""
+    """The additive form of runtime.model.layers.causal_mask, built without an intermediate bool array."""
     m = np.zeros((t, cache_len + t), np.float32)
     if t > 1:
         m[:, cache_len:][np.triu_indices(t, 1)] = -np.inf

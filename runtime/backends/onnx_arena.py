@@ -15,14 +15,12 @@ onto a row another thread still reads). A chain's accepted rows are already in p
 The same class runs on the CPU provider with device "cpu" (tests exercise every line of it here);
 `device_for(providers)` picks "cuda" where the first provider is CUDA or TensorRT.
 
-    python -m runtime.backends.onnx_arena --bundle DIR --providers CUDAExecutionProvider CPUExecutionProvider
-
-runs `greedy_identity` (speculative greedy == plain greedy on that provider, KV arena on the device) and
-prints one JSON line; scripts/gpu_check.sh calls it."""
+`python -m runtime.commands.gpu_identity` checks greedy identity with the arena on a device
+(scripts/gpu_check.sh calls it)."""
 from __future__ import annotations
 
 import base64
-from typing import List, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -32,7 +30,7 @@ from runtime.errors import BackendError
 DEVICE_PROVIDERS = {"CUDAExecutionProvider": "cuda", "TensorrtExecutionProvider": "cuda"}
 
 # Inputs k, v (A, S, W) and idx int64 (N,); outputs k_rows, v_rows = Gather(k|v, idx, axis=1) (A, N, W).
-# Serialized by onnx.helper (opset 13, IR 8); tests/test_onnx_device_arena.py rebuilds it and compares bytes.
+# Serialized by onnx.helper (opset 13, IR 8); tests/runtime/backends/test_onnx_device_arena.py rebuilds it and compares bytes.
 KV_ROWS_GRAPH = {
     np.dtype(np.float32): base64.b64decode(
         "CAgSCGVkZ2VzcGVjOuUBCiUKAWsKA2lkeBIGa19yb3dzIgZHYXRoZXIqCwoEYXhpcxgBoAECCiUKAXYKA2lkeBIGdl9yb3dzIgZHYXRo"
@@ -152,72 +150,3 @@ class OrtKVArena:
         """(K, V) rows [0, length) of one layer as host arrays (length, nkv, d): a copy, for tests and tools."""
         k, v = self.k.numpy(), self.v.numpy()
         return k[layer, :length].copy(), v[layer, :length].copy()
-
-
-def greedy_identity(bundle_dir: str, providers: Sequence[str], drafters: Sequence[str] = ("draft_model", "ngram"),
-                    prompts: int = 8, max_tokens: int = 48) -> dict:
-    """Speculative greedy output equals plain greedy output on `providers` (the KV arena on their device),
-    for each drafter over `prompts` zoo-style prompts. Returns a JSON-able report; report["identical"] is
-    the verdict. What scripts/gpu_check.sh runs on a machine with a GPU."""
-    from dataclasses import replace
-
-    from runtime.config import RuntimeConfig
-    from runtime.session import GenerationParams, Session
-
-    def session(drafter: str) -> Session:
-        cfg = RuntimeConfig(bundle=bundle_dir)
-        return Session(replace(cfg, backend=replace(cfg.backend, kind="onnx", providers=tuple(providers)),
-                               drafter=replace(cfg.drafter, kind=drafter)))
-
-    texts = _prompts(prompts)
-    plain = session("none")
-    device = getattr(plain.target, "device", "cpu")
-    reference = [plain.generate(t, GenerationParams(max_tokens=max_tokens)).token_ids for t in texts]
-    report = {"bundle": bundle_dir, "providers": list(providers), "arena_device": device,
-              "session_providers": plain.target.session.get_providers(), "prompts": len(texts), "drafters": {}}
-    for name in drafters:
-        s = session(name)
-        got = [s.generate(t, GenerationParams(max_tokens=max_tokens)) for t in texts]
-        report["drafters"][name] = {"identical": all(g.token_ids == r for g, r in zip(got, reference)),
-                                    "mismatches": [i for i, (g, r) in enumerate(zip(got, reference)) if g.token_ids != r],
-                                    "tau": float(np.mean([g.stats.tau for g in got]))}
-    report["identical"] = all(d["identical"] for d in report["drafters"].values())
-    return report
-
-
-def _prompts(n: int) -> List[str]:
-    from runtime.prompts import action_prompt, planner_prompt
-
-    base = [planner_prompt("give the red box from the workshop to Carol in the bedroom"),
-            planner_prompt("put two apples in the fridge"),
-            action_prompt("lift the metal apple", [0.1, 0.2, 0.3, 0.0, 0.0, 0.0, 1.0, 0.5]),
-            "<|bos|><|text|>To be, or not", "<|bos|><|text|>Now is the winter of our discontent"]
-    return [base[i % len(base)] for i in range(n)]
-
-
-def main(argv=None) -> int:
-    import argparse
-    import json
-    import sys
-
-    from runtime.errors import EdgespecError
-
-    ap = argparse.ArgumentParser(prog="python -m runtime.backends.onnx_arena", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bundle", required=True)
-    ap.add_argument("--providers", nargs="+", default=["CUDAExecutionProvider", "CPUExecutionProvider"])
-    ap.add_argument("--drafters", nargs="+", default=["draft_model", "ngram"])
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=48)
-    a = ap.parse_args(argv)
-    try:
-        report = greedy_identity(a.bundle, a.providers, a.drafters, a.prompts, a.max_tokens)
-    except EdgespecError as exc:
-        print(f"onnx_arena: error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(report))
-    return 0 if report["identical"] else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -63,7 +63,7 @@ def open_session(model_path: str, providers: Sequence[str] = ("CPUExecutionProvi
     # ORT's pool threads spin after each run by default; between two graphs' runs (target, drafter, numpy
     # maths) spinning threads would steal the cores the next one needs (spinning=True: ORT's default, to measure).
     opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-    if profile_prefix:  # ORT's own per-node profiler (runtime.bench_backend --profile summarises it)
+    if profile_prefix:  # ORT's own per-node profiler (runtime.commands.bench_backend --profile summarises it)
         opts.enable_profiling = True
         opts.profile_file_prefix = profile_prefix
     try:

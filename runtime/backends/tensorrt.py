@@ -2,7 +2,7 @@
 engines are tied to the GPU and the TensorRT version), through TensorRT's Python bindings and cuda-python.
 
 Memory. The KV cache lives in ONE device buffer per process, a mirror of the host KV arena's layout (the
-arena the memory plan sized, runtime/kv.py): each model's K and V sit at the same byte offsets as in the host
+arena the memory plan sized, runtime/memory/kv.py): each model's K and V sit at the same byte offsets as in the host
 arena, read layer-major (L, max_positions, nkv, d) as the ONNX backend reads them, so layer i's past is the
 first P rows of its block. Inputs past_key_i / new_key_i are bound by pointer into that buffer
 (tensorrt_plan.kv_addresses): TensorRT reads the past in place and writes the new rows straight after it;
@@ -37,8 +37,8 @@ from runtime.backends.onnx import additive_mask, causal_additive_mask, tap_outpu
 from runtime.backends.tensorrt_plan import (cache_offsets, graph_bucket, kv_addresses, padded_mask, parse_l4t_release,
                                             pick_profile, row_moves, version_mismatch)
 from runtime.errors import BackendError, BudgetExceeded
-from runtime.kv import KVCache
-from runtime.model_spec import ModelSpec
+from runtime.memory.kv import KVCache
+from runtime.model.spec import ModelSpec
 
 TENSORRT_HINT = ("TensorRT's Python bindings come with JetPack on a Jetson (`sudo apt install python3-libnvinfer`; "
                  "in the l4t-jetpack container images already), elsewhere `pip install tensorrt` from NVIDIA's index "
@@ -99,7 +99,7 @@ def machine_facts(trt, cudart) -> Dict[str, object]:
 
 
 class DeviceArena:
-    """One device buffer mirroring one host KV arena (runtime.kv.KVArena), shared by every TensorRT model
+    """One device buffer mirroring one host KV arena (runtime.memory.kv.KVArena), shared by every TensorRT model
     whose cache was carved from that arena; freed when the last of them is."""
 
     _live: "weakref.WeakValueDictionary[int, DeviceArena]" = weakref.WeakValueDictionary()

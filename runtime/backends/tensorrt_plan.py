@@ -1,9 +1,9 @@
 """What a TensorRT engine of a bundle model is built for, and where its inputs and outputs lie in device
-memory: pure functions shared by `edgespec export --to tensorrt` (export/tensorrt.py, which builds the
+memory: pure functions shared by `edgespec export --to tensorrt` (export/tensorrt/build.py, which builds the
 engines) and runtime/backends/tensorrt.py (which runs them). Nothing here imports TensorRT or CUDA, so all
 of it is tested on machines that have neither.
 
-An engine is built from the bundle's ONNX graph (export/onnx.py), so it has the same I/O:
+An engine is built from the bundle's ONNX graph (export/onnx/graph.py), so it has the same I/O:
   input_ids (T,)  position_ids (T,)  attention_mask (T, S=P+T)  past_key_i / past_value_i (P, nkv, d)
   -> logits (T, V), tap_* (T, H), new_key_i / new_value_i (T, nkv, d)
 and two optimisation profiles: "verify" (T <= the largest draft tree + 1: decode steps and tree verifies, the
@@ -92,10 +92,10 @@ def pick_profile(profiles: Mapping[str, Mapping[str, int]], t: int, p: int, engi
 
 def cache_offsets(k: np.ndarray, v: np.ndarray) -> Tuple[int, int, int]:
     """(K offset, V offset, arena bytes) of a KVCache's K/V views inside the host arena they were carved
-    from (runtime.kv.KVArena): the same offsets index the one device buffer that mirrors the arena."""
+    from (runtime.memory.kv.KVArena): the same offsets index the one device buffer that mirrors the arena."""
     base = k.base
     if base is None or v.base is not base:
-        raise ValueError("K and V of a cache must be views of one arena buffer (runtime.kv.KVArena.allocate)")
+        raise ValueError("K and V of a cache must be views of one arena buffer (runtime.memory.kv.KVArena.allocate)")
     start = base.__array_interface__["data"][0]
     return k.__array_interface__["data"][0] - start, v.__array_interface__["data"][0] - start, base.nbytes
 

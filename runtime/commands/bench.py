@@ -24,18 +24,18 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-from runtime import bundle as bundle_io
-from runtime import memory
-from runtime.bench_backend import measure_bandwidth
+from runtime.model import bundle as bundle_io
+from runtime.memory import plan as memory
+from runtime.commands.bench_backend import measure_bandwidth
 from runtime.commands.bench_peers import open_peers, peer_request, peer_rows, run_peer
 from runtime.commands.bench_plot import write_plots
 from runtime.commands.bench_tally import Tally, paired_speedup  # noqa: F401 (paired_speedup: part of this command's API)
 from runtime.commands.common import add_model_args, runtime_config, split_list
 from runtime.errors import ConfigError
-from runtime.prompts import format_observation
-from runtime.session import DRAFTER_CHOICES, GenerationParams, Session, prompt_format
-from runtime.templates import PromptFormat
-from runtime.tokenizer import Tokenizer
+from runtime.text.prompts import format_observation
+from runtime.serving.session import DRAFTER_CHOICES, GenerationParams, Session, prompt_format
+from runtime.text.templates import PromptFormat
+from runtime.text.tokenizer import Tokenizer
 
 HELP = """Benchmark plain decoding against speculative drafters on the same backend, in one run.
 

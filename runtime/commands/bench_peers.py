@@ -1,6 +1,6 @@
 """The peers of `edgespec bench --peers`: other runtimes' speculative decoding on the same weights and prompts,
 run inside the bench's interleaved rounds (greedy only; each peer's output is checked against edgespec's plain
-decoding). The peers themselves live in the workstation package (export/peers.py, which may import torch);
+decoding). The peers themselves live in the workstation package (export/peers/registry.py, which may import torch);
 this module only opens them by name, times them, and turns their tallies into rows."""
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from typing import Dict, List, Optional, Tuple
 
 from runtime.commands.bench_tally import paired_speedup
 from runtime.commands.common import edgespec_root, split_list
-from runtime.engine import DecodeStats
+from runtime.decode.engine import DecodeStats
 from runtime.errors import ConfigError
 
-PEER_MODULE = "export.peers"  # workstation package, imported by name as runtime.cli does: never a robot dependency
+PEER_MODULE = "export.peers.registry"  # workstation package, imported by name as runtime.cli does: never a robot dependency
 
 
 @dataclass
@@ -39,7 +39,7 @@ def default_peer_dirs(bundle_name: str):
 @dataclass
 class PeerRequest:
     """What --peers asked for, checked before any model is loaded."""
-    module: object  # export.peers
+    module: object  # export.peers.registry
     names: List[str]
     target: str
     draft: Optional[str]

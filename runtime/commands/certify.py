@@ -7,13 +7,13 @@ import sys
 import time
 from typing import List, Tuple
 
-from runtime.certify import LOSSY_REFUSAL, certify, choose_contexts, dedup_siblings, forget_residual
+from runtime.certify.run import LOSSY_REFUSAL, certify, choose_contexts, dedup_siblings, forget_residual
 from runtime.commands.common import add_model_args, runtime_config
 from runtime.errors import ConfigError
-from runtime.prompts import format_observation
+from runtime.text.prompts import format_observation
 from runtime.sampling import SamplingParams
-from runtime.session import Session
-from runtime.templates import PromptFormat
+from runtime.serving.session import Session
+from runtime.text.templates import PromptFormat
 
 HELP = """Prove on this machine that speculative decoding leaves the target's distribution unchanged.
 

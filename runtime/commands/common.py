@@ -10,10 +10,10 @@ import os
 from dataclasses import replace
 from typing import List
 
-from runtime.bundle import MANIFEST
+from runtime.model.bundle import MANIFEST
 from runtime.config import RuntimeConfig, load_config, override
 from runtime.errors import BundleError, ConfigError
-from runtime.session import GenerationParams
+from runtime.serving.session import GenerationParams
 
 DEFAULT_BUNDLE = RuntimeConfig().bundle  # relative: resolved by `resolve_bundle_dir`
 

@@ -7,8 +7,8 @@ import sys
 
 from runtime.commands.common import add_model_args, add_sampling_args, generation_params, runtime_config
 from runtime.errors import RequestError
-from runtime.grammar import load_schema_file, read_text_file
-from runtime.session import Session
+from runtime.text.grammar import load_schema_file, read_text_file
+from runtime.serving.session import Session
 
 HELP = """Generate text from a bundle and print the speculative-decoding statistics.
 

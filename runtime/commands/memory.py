@@ -1,5 +1,5 @@
 """`edgespec memory plan` / `edgespec memory profile`: what fits on a device, and the plan checked against
-the process's measured peak. The arithmetic is runtime/memory.py; this only reads inputs and prints."""
+the process's measured peak. The arithmetic is runtime/memory/plan.py; this only reads inputs and prints."""
 from __future__ import annotations
 
 import argparse
@@ -9,12 +9,12 @@ import time
 from dataclasses import replace
 from typing import Dict, Optional, Tuple
 
-from runtime import memory
+from runtime.memory import plan as memory
 from runtime.commands.common import edgespec_root, runtime_config
 from runtime.commands.memory_plot import write_plan_plot
 from runtime.config import override
 from runtime.errors import BundleError, ConfigError
-from runtime.session import GenerationParams, Session
+from runtime.serving.session import GenerationParams, Session
 
 HELP = """Plan memory for a target + drafter on a device, or measure a bundle's peak against its plan.
 
@@ -95,7 +95,7 @@ def plan_inputs(args) -> Tuple[memory.PlanInputs, Dict[str, memory.PlanInputs]]:
     """The inputs to plan, and those of each drafter choice (for --plot's curves)."""
     _positive("--num-draft", args.num_draft)
     if args.bundle:
-        from runtime import bundle as bundle_io
+        from runtime.model import bundle as bundle_io
         if not os.path.isdir(args.bundle):
             raise BundleError(f"--bundle: {args.bundle}: no such directory; give a bundle directory (`make bundles` "
                               "builds build/bundles/zoo)")
@@ -185,7 +185,7 @@ def device_memory_used(pid: int) -> Optional[int]:
 
 def save_overhead(bundle_dir: str, key: str, overhead: int, context: int, drafter: str, peak: int) -> str:
     """Store a measured runtime overhead in the bundle entry `key` (bundle_overhead reads it back)."""
-    from runtime import bundle as bundle_io
+    from runtime.model import bundle as bundle_io
     record = {"runtime_overhead_bytes": int(overhead), "context": context, "drafter": drafter, "peak_bytes": int(peak),
               "measured": time.strftime("%Y-%m-%d", time.gmtime())}
     return bundle_io.update_target_backend_params(bundle_dir, key, "memory_profile", record)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Tuple
 
-from runtime import memory
+from runtime.memory import plan as memory
 from runtime.errors import ConfigError
 
 

@@ -38,7 +38,7 @@ class DraftContext:
     params: SamplingParams  # the request's sampling: drafters apply the SAME processing to q
     rng: np.random.Generator  # the drafter's own stream (sampled drafts)
     max_nodes: int  # at most this many nodes (what is left of the context budget)
-    # The request's grammar (runtime/grammar.py): path after the root -> (V,) bool allowed mask; None = none.
+    # The request's grammar (runtime/text/grammar.py): path after the root -> (V,) bool allowed mask; None = none.
     allowed: Optional[Callable[[Sequence[int]], np.ndarray]] = None
 
     def mask(self, path: Sequence[int] = ()) -> Optional[np.ndarray]:

@@ -23,9 +23,9 @@ import numpy as np
 
 from runtime.drafters.base import DraftContext, Drafter
 from runtime.errors import BundleError
-from runtime.kv import KVCache
-from runtime.layers import apply_rope, attention, rms_norm, rope_cos_sin, rope_inv_freq, silu
-from runtime.model_spec import ModelSpec
+from runtime.memory.kv import KVCache
+from runtime.model.layers import apply_rope, attention, rms_norm, rope_cos_sin, rope_inv_freq, silu
+from runtime.model.spec import ModelSpec
 from runtime.sampling import process_logits, sample
 from runtime.tree import DraftTree, empty_tree
 

@@ -8,31 +8,15 @@ cache holds and the context is kept and only the rest (usually the root plus a t
 The same rule carries the draft cache across requests when the target reuses a prompt prefix."""
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import numpy as np
 
 from runtime.backends.base import TargetBackend
 from runtime.drafters.base import DraftContext, Drafter, common_prefix_len
-from runtime.sampling import SamplingParams, process_logits, sample
-from runtime.siblings import Siblings, draw_siblings, top_k
+from runtime.drafters.shared import pick_children
+from runtime.sampling import process_logits, sample
 from runtime.tree import DraftTree, empty_tree
-
-
-def pick_children(logits: np.ndarray, q: np.ndarray, params: SamplingParams, history: Sequence[int],
-                  width: int, rng: np.random.Generator, rule: Callable = draw_siblings,
-                  mask: Optional[np.ndarray] = None) -> Siblings:
-    """Children of one node. Greedy -> the top-`width` tokens as point masses; sampled -> `rule` (the one
-    sibling rule of `runtime.siblings`: distinct draws, each with the proposal it was drawn from).
-    `mask`: the grammar's allowed tokens at this node (q is already masked by it)."""
-    if params.greedy:
-        if width == 1:
-            return Siblings(np.asarray([int(np.argmax(q))], np.int64), None)
-        # q is one-hot under greedy; rank by the masked, penalised distribution at temperature 1.
-        soft = process_logits(logits, replace(params, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0), history, mask)
-        return top_k(soft, width)
-    return rule(q, width, rng)
 
 
 class DraftModelDrafter(Drafter):

@@ -26,11 +26,11 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from runtime.drafters.base import DraftContext, Drafter
-from runtime.drafters.draft_model import pick_children
+from runtime.drafters.shared import pick_children
 from runtime.errors import BundleError
-from runtime.kv import KVCache
-from runtime.layers import causal_mask, decoder_layer, rms_norm, rope_cos_sin, rope_inv_freq
-from runtime.model_spec import ModelSpec
+from runtime.memory.kv import KVCache
+from runtime.model.layers import causal_mask, decoder_layer, rms_norm, rope_cos_sin, rope_inv_freq
+from runtime.model.spec import ModelSpec
 from runtime.sampling import process_logits, sample
 from runtime.siblings import top_k
 from runtime.tree import DraftTree, empty_tree

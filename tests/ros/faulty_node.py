@@ -6,7 +6,7 @@ runtime's decode loop, as a backend crash would. Every other request runs untouc
 import sys
 
 from runtime.errors import BackendError
-from runtime.session import Session
+from runtime.serving.session import Session
 
 FAULT_MARKER = "<<inject backend fault>>"
 _open = Session.open.__func__

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from export.bundle_builder import build_bundle
-from runtime.session import GenerationParams, Session
-from tests.chat_checkpoints import save_checkpoint
+from export.bundle.builder import build_bundle
+from runtime.serving.session import GenerationParams, Session
+from tests.support.chat_checkpoints import save_checkpoint
 from tests.ros.conftest import connect, start_node
 
 NS = "/own"

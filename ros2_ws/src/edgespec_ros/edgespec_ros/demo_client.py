@@ -18,7 +18,7 @@ from typing import Optional
 import rclpy
 
 from edgespec_ros.client import EdgespecClient
-from runtime.prompts import planner_prompt
+from runtime.text.prompts import planner_prompt
 
 # Requests in the zoo's own domains (the zoo is a toy trained on generated planner / action data: phrasing outside
 # that grammar gets toy answers). Generate takes a raw prompt, so it carries the planner template itself.

@@ -65,7 +65,7 @@ def fill_generate(result, res) -> None:
 
 
 def fill_partial(resp, partial) -> None:
-    """A request that failed mid-generation keeps what it had decoded (runtime.session.Partial)."""
+    """A request that failed mid-generation keeps what it had decoded (runtime.serving.session.Partial)."""
     if partial is None:
         return
     if hasattr(resp, "text"):

@@ -1,4 +1,4 @@
-"""The edgespec lifecycle node: thin glue between ROS 2 and `runtime.session.Session`.
+"""The edgespec lifecycle node: thin glue between ROS 2 and `runtime.serving.session.Session`.
 
     configure  -> Session.open(bundle, drafter, backend, max_context)   (parameters, e.g. configs/ros/edgespec.yaml)
     activate   -> serve ~/plan, ~/action_tokens (services) and ~/generate (action)
@@ -41,7 +41,7 @@ from edgespec_ros.parameters import declare_parameters
 from edgespec_ros.qos import REQUEST_QOS, action_qos_kwargs
 from edgespec_ros.request_queue import PRIORITY_ACTIONS, PRIORITY_NORMAL, GaveUp, QueueFull, RequestQueue
 from runtime.errors import EdgespecError, RequestError
-from runtime.session import GenerationParams, Session, return_large_blocks_on_free
+from runtime.serving.session import GenerationParams, Session, return_large_blocks_on_free
 
 
 WARMUP_PROMPT = "<|bos|><|text|>ready"  # run once at configure

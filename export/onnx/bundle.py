@@ -1,0 +1,143 @@
+"""`edgespec export --to onnx` for a whole bundle: the target graph (each precision), the draft model's graph and
+every drafter's own graphs (MTP modules, Medusa heads, EAGLE steps, DFlash blocks), each checked against the numpy
+reference, staged and then sealed into the manifest atomically. The graph library it builds with is
+export/onnx/graph.py; the drafter graphs live with their drafters (export/drafters/*_onnx.py)."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Mapping, Optional, Sequence, Tuple
+
+from export.drafters import dflash_onnx, eagle_onnx
+from export.drafters.medusa_onnx import export_medusa_graphs
+from export.drafters.mtp_onnx import export_bundle_mtp
+from export.onnx.graph import (KV_LAYOUTS, check_against_reference, export_decoder_onnx, safetensors_weights,
+                               share_initializers, validate_onnx)
+from export.onnx.quantize import ACCURACY_LEVEL, BITS, quantize_graph
+from runtime.errors import BundleError, ExportError
+from runtime.model import bundle as bundle_mod
+from runtime.model.bundle import ONNX_PRECISIONS, onnx_entry_key
+
+
+def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[Sequence[str]] = None,
+                       validate: bool = True, block_size: int = 32,
+                       accuracy_level: Optional[int] = None, attention: str = "matmul") -> Tuple[str, ...]:
+    """Export the bundle's target (from its numpy_ref safetensors) to ONNX and register it as backend
+    "onnx"; likewise every `draft_model` drafter that has a spec and safetensors, and every MTP module.
+    Taps default to every tap the bundle's drafters read, plus final_norm. Returns the new files (relative to the bundle).
+
+    precision int8 / int4: the target's fp32 graph, weight-only quantised by ONNX Runtime's MatMulNBits
+    quantiser (export/onnx/quantize.py, blocks of `block_size`), registered NEXT to the float graph as
+    entry "onnx.int8" / "onnx.int4" (`backend.precision` selects it); drafters are not quantised.
+
+    attention "gqa": every graph's attention is ONNX Runtime's GroupQueryAttention over a shared past/present
+    buffer (export/onnx/gqa.py; recorded as params attention / kv_layout), "matmul" the grouped MatMuls.
+
+    Every graph is written into a scratch directory inside the bundle and checked against the numpy
+    reference there (validate=True); only when all pass do they move into onnx/ and bundle.yaml change.
+    A graph over TOLERANCE raises ExportError and leaves the bundle exactly as it was."""
+    b = bundle_mod.load(bundle_dir)
+    if taps is None:
+        taps = sorted({"final_norm"} | {t for d in b.drafters.values() for t in d.target_taps})
+    weights = safetensors_weights(b, b.target_files("numpy_ref").files)
+    if not weights:
+        raise BundleError(f"{bundle_dir}: the numpy_ref target lists no .safetensors files to export from")
+    if precision not in ONNX_PRECISIONS:
+        raise ValueError(f"precision {precision!r}: expected one of {list(ONNX_PRECISIONS)}")
+    quantised = precision in BITS
+    if quantised and attention == "gqa":
+        # Measured on the zoo: the op's T-row and 1-row paths round differently and int8 activation rounding
+        # magnifies that to logit gaps of ~1e-3, so a speculative greedy output left plain greedy's (README).
+        export = f"edgespec export --to onnx --bundle {bundle_dir} --precision {precision}"  # a valid precision
+        raise ExportError(f"--attention gqa with --precision {precision}: not exported, because greedy speculative "
+                          "output on such a graph differed from plain greedy output beyond float near-ties; export "
+                          f"the {precision} graph with the default attention: `{export}`")
+    level = ACCURACY_LEVEL.get(precision, 0) if accuracy_level is None else accuracy_level
+    rel = f"onnx/target.{precision}.onnx"
+    graphs = [("target", rel, b.target.spec, weights, tuple(taps))]
+    for name, d in b.drafters.items():
+        if quantised or d.kind != "draft_model" or d.spec is None:
+            continue  # MTP, Medusa, EAGLE and DFlash graphs: their own exporters, below
+        dw = safetensors_weights(b, d.files)
+        if dw:
+            graphs.append((name, f"onnx/drafter.{name}.{precision}.onnx", d.spec, dw, ()))
+
+    heads = {} if quantised else eagle_onnx.bundle_heads(b, weights)  # EAGLE steps: export/drafters/eagle_onnx.py
+    blocks = {} if quantised else dflash_onnx.bundle_graphs(b)  # DFlash block forwards: export/drafters/dflash_onnx.py
+    writer = bundle_mod.BundleWriter.extend(bundle_dir)  # reads (and checks) the manifest before any file changes
+    staging = tempfile.mkdtemp(prefix=".onnx-export-", dir=bundle_dir)
+    try:
+        for label, grel, spec, w, gtaps in graphs:
+            staged = os.path.join(staging, os.path.basename(grel))
+            if quantised:
+                float_graph = export_decoder_onnx(spec, w, os.path.join(staging, "float.fp32.onnx"), gtaps, "fp32",
+                                                  attention)
+                quantize_graph(float_graph, staged, precision, spec.vocab_size, block_size, level)
+            else:
+                export_decoder_onnx(spec, w, staged, gtaps, precision, attention)
+            if label != "target":  # a vocab matrix the draft shares with the target is stored once
+                share_initializers(staged, os.path.join(staging, os.path.basename(rel)))
+            if validate:
+                check_against_reference(f"{bundle_dir}/{grel} ({label})",
+                                        validate_onnx(spec, w, staged, gtaps, precision), precision)
+        target_graph = os.path.join(staging, os.path.basename(rel))
+        # Drafter graphs other than draft models: (drafter, files, params) each, written into staging and checked.
+        extra = [] if quantised else [  # MTP modules: their own graphs (export/drafters/mtp_onnx.py)
+            (m.name, m.files, m.params) for m in (
+                export_bundle_mtp(b, name, d, weights, staging, target_graph, precision, validate,
+                                  safetensors_weights(b, d.files))
+                for name, d in b.drafters.items() if d.kind == "mtp")]
+        extra += [(name, [grel, grel + ".data"], params)  # medusa and medusa_chain share one graph; fp32 only
+                  for name, grel, params in export_medusa_graphs(b, staging, precision, validate)]
+        for name, (drafter, users) in heads.items():  # one EAGLE step graph, recorded for each drafter using it
+            grel = f"onnx/drafter.{name}.fp32.onnx"
+            staged = os.path.join(staging, os.path.basename(grel))
+            eagle_onnx.export_and_check(drafter, staged, f"{bundle_dir}/{grel}", validate)
+            share_initializers(staged, target_graph)  # the target's embedding/head
+            extra += [(user, [grel, grel + ".data"], eagle_onnx.graph_params(drafter)) for user in users]
+        for name, (args, users) in blocks.items():  # one DFlash block graph, recorded for each drafter using it
+            grel = f"onnx/drafter.{name}.fp32.onnx"
+            dflash_onnx.export_and_check(*args, os.path.join(staging, os.path.basename(grel)), f"{bundle_dir}/{grel}",
+                                         *dflash_onnx.embed_and_head(weights), validate=validate)
+            extra += [(user, [grel, grel + ".data"], {"precision": "fp32", "graph": "dflash_block"}) for user in users]
+        os.makedirs(os.path.join(bundle_dir, "onnx"), exist_ok=True)
+        moved = {grel + suffix for _, grel, *_ in graphs for suffix in ("", ".data")} | {f for e in extra for f in e[1]}
+        for f in sorted(moved):
+            os.replace(os.path.join(staging, os.path.basename(f)), os.path.join(bundle_dir, f))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    before = _listed_backend_files(writer.manifest)
+    written = []
+    for label, grel, _, _, gtaps in graphs:
+        files = [grel, grel + ".data"]
+        params = {"precision": precision, "taps": list(gtaps), "kv_layout": KV_LAYOUTS[attention]}
+        if attention != "matmul":
+            params["attention"] = attention
+        if quantised:
+            params.update(block_size=block_size, accuracy_level=level,
+                          quantizer="onnxruntime MatMulNBits, symmetric, LM head float32")
+        if label == "target":
+            writer.add_target_backend(onnx_entry_key(precision), files, params)
+        else:
+            writer.add_drafter_backend(label, "onnx", files, params)
+        written += files
+    for name, files, params in extra:
+        writer.add_drafter_backend(name, "onnx", files, params)
+        written += [f for f in files if f not in written]
+    # One ONNX entry per model: the files of the entry just replaced (another precision) are removed, as
+    # the manifest listed them, so that no orphan graph is left on disk. Nothing unlisted is touched.
+    listed = set(writer.manifest.get("files") or {})
+    for stale in sorted((before - _listed_backend_files(writer.manifest)) & listed):
+        os.remove(os.path.join(bundle_dir, stale))
+        print(f"{bundle_dir}/{stale}: removed (replaced by the {precision} export)")
+    writer.write()
+    return tuple(written)
+
+
+def _listed_backend_files(manifest: Mapping) -> set:
+    """Every file a target or drafter backend entry of a manifest names."""
+    entries = list((manifest["target"].get("backends") or {}).values())
+    for d in (manifest.get("drafters") or {}).values():
+        entries += list((d.get("backends") or {}).values())
+    return {f for e in entries for f in e.get("files", ())}

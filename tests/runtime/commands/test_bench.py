@@ -1,0 +1,122 @@
+"""Specification of `edgespec bench` output: paired (interleaved) measurements, the speedup as the median of
+per-round ratios with its min-max, a none-vs-none control row, and stand-in bundles labelled as such.
+Timings are never asserted (a shared 2-core machine); only the shape and the bookkeeping are."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from runtime.commands.bench import CONTROL, paired_speedup
+from tests.runtime.commands.test_cli import run_cli
+
+FAST = ["--domains", "planner", "--max-tokens", "6", "--rounds", "1"]
+
+
+def test_paired_speedup_is_the_median_of_per_round_ratios_with_min_and_max():
+    got = paired_speedup([80.0, 84.0, 30.0], [40.0, 38.0, 20.0])
+    assert got["speedup"] == 2.0 and got["speedup_min"] == 1.5 and got["speedup_max"] == pytest.approx(84 / 38)
+    assert got["speedup_per_round"] == pytest.approx([2.0, 84 / 38, 1.5])
+
+
+def test_bench_json_has_every_config_per_temperature_a_control_row_and_the_spread(tiny_bundle, capsys):
+    code, out, err = run_cli(["bench", "--bundle", tiny_bundle, "--drafters", "ngram,draft_model",
+                              "--temperatures", "0,1", "--json"] + FAST, capsys)
+    rows = json.loads(out)
+    assert code == 0 and "round 1/1 done" in err
+    assert [(r["label"], r["temperature"]) for r in rows] == [
+        (label, t) for t in (0.0, 1.0) for label in ("none", "ngram", "draft_model", CONTROL)]
+    for r in rows:
+        assert r["rounds"] == 1 and len(r["speedup_per_round"]) == 1
+        assert r["speedup_min"] <= r["speedup"] <= r["speedup_max"]
+        assert r["control"] == (r["label"] == CONTROL) and r["standin"] is False and r["bundle"] == "tiny"
+        assert r["identical_to_plain"] is (True if r["temperature"] == 0 else None)
+    base = [r for r in rows if r["label"] == "none"]
+    assert all(r["speedup"] == 1.0 and r["tau"] == 1.0 for r in base)
+    control = [r for r in rows if r["control"]]
+    assert all(r["drafter"] == "none" and r["tau"] == 1.0 for r in control)
+
+
+def test_a_standin_bundle_is_labelled_as_a_stand_in(tiny_bundle, tmp_path, capsys):
+    copy = str(tmp_path / "tiny-standin")
+    shutil.copytree(tiny_bundle, copy)
+    manifest = os.path.join(copy, "bundle.yaml")
+    text = open(manifest).read()
+    open(manifest, "w").write(text.replace("name: tiny\n", "name: tiny-standin\n", 1))
+    code, out, _ = run_cli(["bench", "--bundle", copy, "--drafters", "ngram"] + FAST, capsys)
+    assert code == 0 and "STAND-IN" in out and "ngram *" in out and "* stand-in rows" in out
+    assert f"{CONTROL} *" in out
+
+
+def test_peers_run_on_the_same_weights_interleaved_and_their_greedy_output_is_checked(tiny_bundle, capsys):
+    hf = os.path.dirname(tiny_bundle)  # the tiny bundle's HF folders: target/, draft/
+    code, out, err = run_cli(["bench", "--bundle", tiny_bundle, "--drafters", "draft_model", "--json",
+                              "--peers", "hf_assisted,ortgenai", "--peer-target", os.path.join(hf, "target"),
+                              "--peer-draft", os.path.join(hf, "draft")] + FAST, capsys)
+    rows = json.loads(out)
+    peers = {r["drafter"]: r for r in rows if r.get("peer")}
+    assert code == 0 and set(peers) == {"peer:hf_assisted", "peer:ortgenai"}, err
+    for r in peers.values():
+        assert "unavailable" not in r and r["identical_to_plain"] is True and r["rounds"] == 1
+        assert r["edgespec_best"] in ("none", "draft_model") and r["edgespec_best_over_peer"] > 0
+
+
+def test_a_peer_that_cannot_run_gets_a_row_saying_why_and_the_bench_goes_on(tiny_bundle, tmp_path, capsys):
+    hf = os.path.dirname(tiny_bundle)
+    missing = str(tmp_path / "no-draft-here")
+    # both draft-model peers: the draft folder is missing
+    code, out, _ = run_cli(["bench", "--bundle", tiny_bundle, "--drafters", "ngram", "--peers",
+                            "hf_assisted,ortgenai_draft", "--peer-target", os.path.join(hf, "target"),
+                            "--peer-draft", missing] + FAST, capsys)
+    lines = [line for line in out.splitlines() if "unavailable:" in line]
+    assert code == 0 and len(lines) == 2 and "no-draft-here" in lines[0], out
+
+
+def test_peers_on_a_bundle_of_unknown_origin_need_the_hf_folder(tiny_bundle, capsys):
+    code, _, err = run_cli(["bench", "--bundle", tiny_bundle, "--peers", "hf"] + FAST, capsys)
+    assert code == 2 and "--peer-target" in err and "Traceback" not in err
+    code, _, err = run_cli(["bench", "--bundle", tiny_bundle, "--peers", "vllm"] + FAST, capsys)
+    assert code == 2 and "--peers" in err and "ortgenai" in err
+
+
+def test_own_prompts_from_a_file_and_plots_with_per_domain_speedup_and_acceptance_by_depth(tiny_bundle, tmp_path,
+                                                                                            capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("navigate to the kitchen\n\nopen the drawer\\nand wait\n")
+    plots = tmp_path / "plots"
+    code, out, err = run_cli(["bench", "--bundle", tiny_bundle, "--drafters", "draft_model", "--prompts", str(prompts),
+                              "--plot", str(plots), "--json", "--max-tokens", "6", "--rounds", "1"], capsys)
+    rows = json.loads(out)
+    assert code == 0, err
+    assert all(set(r["by_domain"]) == {"file"} for r in rows)
+    draft = next(r for r in rows if r["label"] == "draft_model")
+    assert draft["acceptance_by_depth"] and all(0 <= a <= 1 for a in draft["acceptance_by_depth"])
+    assert draft["target_gb_per_s"] > 0 and draft["bandwidth_bound_gb_per_s"] > 0
+    assert sorted(os.listdir(plots)) == ["cycle_time.png", "speedup.png", "tau_depth.png"]
+
+
+def test_a_prompts_file_that_cannot_be_used_is_named(tmp_path, tiny_bundle, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    code, _, err = run_cli(["bench", "--bundle", tiny_bundle, "--prompts", str(empty)], capsys)
+    assert code == 2 and "--prompts" in err and "empty.txt" in err
+    code, _, err = run_cli(["bench", "--bundle", tiny_bundle, "--prompts", str(tmp_path / "missing.txt")], capsys)
+    assert code == 2 and "missing.txt" in err
+
+
+def test_near_tie_names_where_a_greedy_output_differs_and_the_target_logit_gap_there(tiny_bundle):
+    from runtime.commands.bench import near_tie
+    from runtime.serving.session import GenerationParams, Session
+    s = Session.open(tiny_bundle, drafter="none")
+    try:
+        ids = s.tokenizer.encode("navigate to the kitchen")
+        plain = s.generate_ids(ids, GenerationParams(max_tokens=5))[1]
+        s.target.reset()
+        logits = s.target.forward(np.asarray(ids + plain[:2], np.int64), np.arange(len(ids) + 2), None, ()).logits[-1]
+        runner_up = int(np.argsort(logits)[-2])
+        got = near_tie(s, ids, plain, plain[:2] + [runner_up])
+    finally:
+        s.close()
+    assert got["position"] == 2 and got["plain_token"] == plain[2] and got["other_token"] == runner_up
+    assert got["logit_gap"] == pytest.approx(float(logits[plain[2]] - logits[runner_up]), abs=1e-5) and got["logit_gap"] >= 0
