@@ -304,6 +304,7 @@ def test_export_refuses_a_graph_that_differs_from_the_reference_and_leaves_the_b
     bundle's manifest and files (here an earlier good fp32 export) stay byte for byte as they were."""
     import shutil
 
+    import export.onnx.bundle as onnx_bundle
     import export.onnx.graph as onnx_export
     from runtime.cli import main
 
@@ -322,7 +323,7 @@ def test_export_refuses_a_graph_that_differs_from_the_reference_and_leaves_the_b
         weights = {**weights, "model.norm.weight": weights["model.norm.weight"] * 1.5}
         return real(spec, weights, out_path, taps, precision, attention)
 
-    monkeypatch.setattr(onnx_export, "export_decoder_onnx", wrong_graph)
+    monkeypatch.setattr(onnx_bundle, "export_decoder_onnx", wrong_graph)  # where the bundle export calls it
     capsys.readouterr()
     assert main(["export", "--to", "onnx", "--bundle", root]) == 2
     err = capsys.readouterr().err
