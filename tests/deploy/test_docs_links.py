@@ -1,0 +1,97 @@
+"""The docs point at things that exist: every relative link in README.md, BENCHMARKS.md and docs/ names a file or
+folder of the repository, every `runtime/...`, `export/...`, `tests/...` or `scripts/...` path they name exists,
+every `python -m` module they run can be found, and the README stays a page a newcomer reads in one sitting."""
+from __future__ import annotations
+
+import os
+import re
+from typing import Iterator, List, Tuple
+
+import pytest
+
+from tests.support import REPO_ROOT
+
+README = os.path.join(REPO_ROOT, "README.md")
+README_MAX_LINES = 200
+LINE_MAX_CHARS = 160
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+# A path starts at a word boundary (not inside `.cache/peers/...` or `onnx/export/...`) and stops before a
+# placeholder such as `<name>`: the folder before the placeholder must exist.
+PATH = re.compile(r"(?<![\w./-])((?:runtime|export|tests|scripts)/[\w./-]*)")
+MODULE = re.compile(r"python3? -m ((?:runtime|export|edgespec_ros)(?:\.\w+)+)")
+
+
+def doc_files() -> List[str]:
+    files = [README, os.path.join(REPO_ROOT, "BENCHMARKS.md")]
+    for root, _, names in os.walk(os.path.join(REPO_ROOT, "docs")):
+        files += [os.path.join(root, n) for n in sorted(names) if n.endswith(".md")]
+    return files
+
+
+def rel(path: str) -> str:
+    return os.path.relpath(path, REPO_ROOT)
+
+
+def links(text: str) -> Iterator[str]:
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue  # a web address or an anchor on the same page
+        yield target.split("#", 1)[0]
+
+
+def named_paths(text: str) -> Iterator[str]:
+    for path in PATH.findall(text):
+        path = path.rstrip(".,;:-")
+        if "*" not in path:  # a glob (`tests/ros/*`) names files, not one path
+            yield path
+
+
+def module_file(module: str) -> str:
+    """The file `python -m module` runs, or "" where there is none (edgespec_ros lives in ros2_ws)."""
+    root = os.path.join(REPO_ROOT, "ros2_ws", "src", "edgespec_ros") if module.startswith("edgespec_ros") else REPO_ROOT
+    base = os.path.join(root, *module.split("."))
+    for candidate in (base + ".py", os.path.join(base, "__main__.py")):
+        if os.path.isfile(candidate):
+            return candidate
+    return ""
+
+
+def problems(files: List[str]) -> List[Tuple[str, str]]:
+    found = []
+    for f in files:
+        text = open(f, encoding="utf-8").read()
+        for target in links(text):
+            if target and not os.path.exists(os.path.normpath(os.path.join(os.path.dirname(f), target))):
+                found.append((rel(f), f"link {target}"))
+        for path in named_paths(text):
+            if not os.path.exists(os.path.join(REPO_ROOT, path)):
+                found.append((rel(f), f"path {path}"))
+        for module in MODULE.findall(text):
+            if not module_file(module):
+                found.append((rel(f), f"module {module}"))
+    return found
+
+
+def test_every_link_path_and_module_named_in_the_docs_exists():
+    assert problems(doc_files()) == []
+
+
+def test_the_readme_is_at_most_200_lines_of_at_most_160_characters():
+    lines = open(README, encoding="utf-8").read().splitlines()
+    assert len(lines) <= README_MAX_LINES
+    assert [i + 1 for i, line in enumerate(lines) if len(line) > LINE_MAX_CHARS] == []
+
+
+def test_the_checker_reports_a_missing_link_a_missing_path_and_a_missing_module(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("[gone](nowhere.md) and [web](https://example.org) [here](#top); `runtime/no_such_file.py`, "
+                    "`runtime/drafters/<name>.py`, `.cache/peers/runtime/x`; python -m runtime.no_such_module\n")
+    found = problems([str(page)])
+    kinds = sorted(what.split()[0] for _, what in found)
+    assert kinds == ["link", "module", "path"], found
+
+
+@pytest.mark.parametrize("module", ["runtime.cli", "runtime.commands.bench_backend", "edgespec_ros.node"])
+def test_the_modules_the_docs_run_resolve_to_files(module):
+    assert module_file(module)
