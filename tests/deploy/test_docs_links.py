@@ -1,5 +1,5 @@
 """The docs point at things that exist: every relative link in README.md, BENCHMARKS.md and docs/ names a file or
-folder of the repository, every `runtime/...`, `export/...`, `tests/...` or `scripts/...` path they name exists,
+folder of the repository (and, with `#anchor`, a heading of that page), every `runtime/...`, `export/...`, `tests/...` or `scripts/...` path they name exists,
 every `python -m` module they run can be found, and the README stays a page a newcomer reads in one sitting."""
 from __future__ import annotations
 
@@ -33,11 +33,24 @@ def rel(path: str) -> str:
     return os.path.relpath(path, REPO_ROOT)
 
 
-def links(text: str) -> Iterator[str]:
+def links(text: str) -> Iterator[Tuple[str, str]]:
+    """(path, anchor) of each relative link; path "" = this page."""
     for target in LINK.findall(text):
-        if re.match(r"[a-z]+:", target) or target.startswith("#"):
-            continue  # a web address or an anchor on the same page
-        yield target.split("#", 1)[0]
+        if re.match(r"[a-z]+:", target):
+            continue  # a web address
+        path, _, anchor = target.partition("#")
+        yield path, anchor
+
+
+def anchor_of(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens.
+    Example: "Parameters (`configs/ros/edgespec.yaml`)" -> "parameters-configsrosedgespecyaml"."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: str) -> set:
+    text = re.sub(r"```.*?```", "", open(path, encoding="utf-8").read(), flags=re.S)  # a `# comment` is no heading
+    return {anchor_of(m) for m in re.findall(r"^#{1,6} (.+)$", text, re.M)}
 
 
 def named_paths(text: str) -> Iterator[str]:
@@ -61,9 +74,12 @@ def problems(files: List[str]) -> List[Tuple[str, str]]:
     found = []
     for f in files:
         text = open(f, encoding="utf-8").read()
-        for target in links(text):
-            if target and not os.path.exists(os.path.normpath(os.path.join(os.path.dirname(f), target))):
+        for target, anchor in links(text):
+            dest = os.path.normpath(os.path.join(os.path.dirname(f), target)) if target else f
+            if not os.path.exists(dest):
                 found.append((rel(f), f"link {target}"))
+            elif anchor and dest.endswith(".md") and anchor not in anchors(dest):
+                found.append((rel(f), f"anchor {target}#{anchor}"))
         for path in named_paths(text):
             if not os.path.exists(os.path.join(REPO_ROOT, path)):
                 found.append((rel(f), f"path {path}"))
@@ -83,13 +99,14 @@ def test_the_readme_is_at_most_200_lines_of_at_most_160_characters():
     assert [i + 1 for i, line in enumerate(lines) if len(line) > LINE_MAX_CHARS] == []
 
 
-def test_the_checker_reports_a_missing_link_a_missing_path_and_a_missing_module(tmp_path):
+def test_the_checker_reports_a_missing_link_anchor_path_and_module(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("[gone](nowhere.md) and [web](https://example.org) [here](#top); `runtime/no_such_file.py`, "
-                    "`runtime/drafters/<name>.py`, `.cache/peers/runtime/x`; python -m runtime.no_such_module\n")
+    page.write_text("# Top of (`the` page)\n[gone](nowhere.md) and [web](https://example.org) [here](#top-of-the-page) "
+                    "[there](#no-such-heading); `runtime/no_such_file.py`, `runtime/drafters/<name>.py`, "
+                    "`.cache/peers/runtime/x`; python -m runtime.no_such_module\n")
     found = problems([str(page)])
     kinds = sorted(what.split()[0] for _, what in found)
-    assert kinds == ["link", "module", "path"], found
+    assert kinds == ["anchor", "link", "module", "path"], found
 
 
 @pytest.mark.parametrize("module", ["runtime.cli", "runtime.commands.bench_backend", "edgespec_ros.node"])
