@@ -1,5 +1,5 @@
 """The docs point at things that exist: every relative link in README.md, BENCHMARKS.md and docs/ names a file or
-folder of the repository (and, with `#anchor`, a heading of that page), every `runtime/...`, `export/...`, `tests/...` or `scripts/...` path they name exists,
+folder of the repository (and, with `#anchor`, a heading of that page), every `edgespec` command they show parses, every `runtime/...`, `export/...`, `tests/...` or `scripts/...` path they name exists,
 every `python -m` module they run can be found, and the README stays a page a newcomer reads in one sitting."""
 from __future__ import annotations
 
@@ -87,6 +87,61 @@ def problems(files: List[str]) -> List[Tuple[str, str]]:
             if not module_file(module):
                 found.append((rel(f), f"module {module}"))
     return found
+
+
+COMMANDS = ("generate", "certify", "bench", "memory", "bundle", "export", "zoo", "train-drafter")
+
+
+def edgespec_commands(text: str) -> Iterator[str]:
+    """Each `edgespec <command> ...` the text names, inline or on a line of its own, continuations joined; a shell
+    variable (`$k`) or a placeholder in brackets (`[--precision P]`, `<id>`, `...`) leaves a command out."""
+    text = text.replace("\\\n", " ")
+    found = re.findall(r"`((?:\.venv/bin/)?edgespec [^`]+)`", text)
+    found += [line.strip() for line in text.splitlines() if re.match(r"\s*(\.venv/bin/)?edgespec ", line)]
+    for cmd in found:
+        for part in cmd.split("#")[0].split("&&"):
+            words = part.split()
+            if (len(words) > 1 and words[0].endswith("edgespec") and words[1] in COMMANDS
+                    and not re.search(r"[$\[<|…]|\.\.\.", part)):
+                yield " ".join(words)
+
+
+def command_problem(cmd: str) -> str:
+    """"" when argparse takes every flag and value of `cmd`; a command named in prose may leave out a required
+    argument (`edgespec export --to onnx` stands for the export), but every flag it names must exist."""
+    import contextlib
+    import io
+    import shlex
+
+    from runtime.cli import build_parser
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            build_parser().parse_args(shlex.split(cmd)[1:])
+    except SystemExit:
+        last = err.getvalue().strip().splitlines()[-1]
+        return "" if "the following arguments are required" in last else last
+    return ""
+
+
+def current_doc_files() -> List[str]:
+    """The docs that describe today's code: the dated history keeps its commands as they were run."""
+    return [f for f in doc_files() if os.sep + "history" + os.sep not in f]
+
+
+def test_every_edgespec_command_in_the_current_docs_parses():
+    bad = [(rel(f), cmd, why) for f in current_doc_files() for cmd in edgespec_commands(open(f).read())
+           for why in [command_problem(cmd)] if why]
+    assert bad == []
+
+
+def test_the_command_check_catches_an_ambiguous_flag_and_skips_prose_and_placeholders():
+    text = ("Run `edgespec zoo plans --n 200`; edgespec runs on robots; `edgespec memory plan [--json]`\n"
+            "    edgespec bench --drafters none \\\n        --rounds 1\n")
+    cmds = list(edgespec_commands(text))
+    assert cmds == ["edgespec zoo plans --n 200", "edgespec bench --drafters none --rounds 1"]
+    assert "ambiguous option" in command_problem(cmds[0]) and command_problem(cmds[1]) == ""
 
 
 def test_every_link_path_and_module_named_in_the_docs_exists():
