@@ -49,6 +49,20 @@ def default_tap_layers(num_layers: int) -> List[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
+def tap_collision(layers: Sequence[int], num_layers: int) -> Optional[str]:
+    """A one-line warning when EAGLE-3's tap layers name one target layer more than once, else None.
+    Example: a 4-layer target's defaults [2, 2, 1] -> "eagle3: tap layers [2, 2, 1] of a 4-layer target repeat
+    layer 2: ...". The head still trains and runs (the tap is read once and fused twice), but it sees fewer
+    distinct depths than the three EAGLE-3 is built on."""
+    layers = [int(i) for i in layers]
+    repeated = sorted({i for i in layers if layers.count(i) > 1})
+    if not repeated:
+        return None
+    return (f"eagle3: tap layers {layers} of a {num_layers}-layer target repeat layer "
+            f"{', '.join(map(str, repeated))}: the head fuses {len(set(layers))} distinct target layers, not 3 "
+            "(EAGLE-3 taps the inputs of layers 2, N//2 and N-3)")
+
+
 def eagle3_taps(layers: Sequence[int]) -> Tuple[str, ...]:
     return tuple(f"layer_in.{i}" for i in layers)
 

@@ -11,6 +11,7 @@ final-normed hidden state at t+1). Exported in the official layouts that export/
 from __future__ import annotations
 
 import os
+import sys
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -18,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from export.drafters.eagle import default_tap_layers
+from export.drafters.eagle import default_tap_layers, tap_collision
 from export.drafters.trainer import DrafterTask, TargetBatch, soft_cross_entropy, write_checkpoint
 from export.zoo.model import MLP, RMSNorm, rope_cos_sin, rotate_half
 
@@ -42,6 +43,9 @@ class EagleTask(DrafterTask):
         h = cfg.hidden_size
         n = cfg.num_hidden_layers
         self.tap_layers = default_tap_layers(n)
+        collision = tap_collision(self.tap_layers, n) if kind == "eagle3" else None
+        if collision:  # trains and runs, but on a shallow target the user should know the head is not EAGLE-3's
+            print(f"warning: {collision}", file=sys.stderr, flush=True)
         self.taps = ("final_norm",) if kind == "eagle" else tuple(f"layer_in.{i}" for i in self.tap_layers) + ("final_norm",)
         self.fc = nn.Linear(2 * h if kind == "eagle" else 3 * h, h, bias=kind == "eagle")
         self.self_attn = _Attention(cfg, h if kind == "eagle" else 2 * h)

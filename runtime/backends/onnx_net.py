@@ -5,6 +5,11 @@ A drafter graph is whatever its drafter needs per call (named float32 / int64 in
 the graph's contract lives with its exporter (export/drafters/<kind>_onnx.py) and its drafter
 (runtime/drafters/<kind>.py), whose numpy path stays the oracle the export is checked against.
 
+The graph's declared input types decide: `run` casts each feed to them here, at the one boundary, so a
+drafter never needs to know the precision around it. An fp16 target puts the session's KV arena (the
+drafter's own cache rows with it) and its taps in float16, while EAGLE / DFlash graphs are exported
+float32; ORT would refuse such a feed ("Unexpected input data type") instead of converting it.
+
     net = OnnxNet("bundle/onnx/drafter.mtp.fp32.onnx", threads=2)
     out = net.run({"hidden": h, "input_ids": ids, ...})   # -> {"logits": (T, V) float32, ...}
 
@@ -72,6 +77,19 @@ def open_session(model_path: str, providers: Sequence[str] = ("CPUExecutionProvi
         raise BackendError(f"{model_path}: ONNX Runtime could not load the graph ({exc}); re-export it") from exc
 
 
+# ORT's input type strings -> the numpy dtype a feed must have (the types edgespec's graphs declare)
+_ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+               "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
+
+
+def feed_as(value, dtype) -> np.ndarray:
+    """A feed as the contiguous array of the graph's declared dtype (None: as given); copies only when needed."""
+    arr = np.asarray(value)
+    if dtype is not None and arr.dtype != dtype:
+        arr = arr.astype(dtype)
+    return np.ascontiguousarray(arr)
+
+
 class OnnxNet:
     """One drafter graph: `run(feeds) -> {output name: array}`; checks the feeds name the graph's inputs."""
 
@@ -82,6 +100,7 @@ class OnnxNet:
         self.session = open_session(model_path, providers, threads)
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())
+        self.input_dtypes = {i.name: _ORT_DTYPES.get(i.type) for i in self.session.get_inputs()}
 
     def require(self, inputs: Sequence[str] = (), outputs: Sequence[str] = ()) -> None:
         """Refuse, at load, a graph without the inputs/outputs its drafter feeds/reads (an older export)."""
@@ -93,7 +112,7 @@ class OnnxNet:
 
     def run(self, feeds: Mapping[str, np.ndarray], outputs: Optional[Sequence[str]] = None) -> Dict[str, np.ndarray]:
         names = list(outputs) if outputs is not None else list(self.output_names)
-        got = self.session.run(names, {k: np.ascontiguousarray(v) for k, v in feeds.items()})
+        got = self.session.run(names, {k: feed_as(v, self.input_dtypes.get(k)) for k, v in feeds.items()})
         return dict(zip(names, got))
 
     @property

@@ -58,6 +58,12 @@ def forget_residual(tree, probs: np.ndarray, rng: np.random.Generator) -> Verify
             return VerifyResult(accepted=accepted, next_token=sample(p, rng))
 
 
+def unique_taps(taps: Sequence[str]) -> Tuple[str, ...]:
+    """Tap names once each, in first-seen order: a tap is one array per name, however many readers name it
+    (as the backends give it: a dict by name), so its rows are gathered once, not once per mention."""
+    return tuple(dict.fromkeys(taps))
+
+
 class MemoModel:
     """A TargetBackend wrapper that memoises each row's output by the token path it attends to.
 
@@ -72,7 +78,7 @@ class MemoModel:
         self.model = model
         self.spec = model.spec
         self.name = model.name
-        self.taps = tuple(taps)
+        self.taps = unique_taps(taps)
         self.rows: List[int] = []  # trie node of each virtual cache row
         self._node: Dict[Tuple[int, int], int] = {}  # (parent node, token) -> node; -1 = the empty path
         self._parent: List[int] = []
@@ -144,7 +150,8 @@ class MemoModel:
                 if cols.size != (self._depth[parent] if parent >= 0 else 0):
                     raise ValueError(f"row {j} attends to rows that are not one causal path: not a tree mask")
             ids.append(self._child(parent, tok))
-        key = (tuple(ids), tuple(taps))
+        taps = unique_taps(taps)  # EAGLE-3 on a shallow target names one tap twice ([2, 2, 1] on 4 layers)
+        key = (tuple(ids), taps)
         if base == 0 and self._prefill is not None and self._prefill[0] == key:
             self.rows = ids  # every draw prefills the same prompt: reuse its stacked output
             return self._prefill[1]
