@@ -263,6 +263,21 @@ def medusa_task(target, num_heads: int, num_layers: int):
     return task_cls(target.cfg.hidden_size, target.cfg.vocab_size, num_heads, num_layers, head.detach().clone())
 
 
+def top_k_accuracy(by_rank: np.ndarray) -> np.ndarray:
+    """Top-k accuracy (how often the target's token is among a head's k best) from accuracy by rank (how often
+    it is exactly the rank-i candidate, as `measure_accuracy` gives and the tree search needs): the ranks are
+    disjoint events, so top-k is their running sum. Example: by rank [0.23, 0.12, 0.08] -> top-k [0.23, 0.35, 0.43]."""
+    return np.cumsum(by_rank, axis=-1)
+
+
+def accuracy_report(by_rank: np.ndarray, k: int = 5) -> List[str]:
+    """The training log's lines: per head, top-1..k accuracy and the accuracy of each rank's candidate."""
+    top = top_k_accuracy(by_rank)
+    return [f"head {d}: top-1..{k} accuracy " + " ".join(f"{a:.2f}" for a in top[d, :k])
+            + "; rank-1..{} candidate alone ".format(k) + " ".join(f"{a:.2f}" for a in by_rank[d, :k])
+            for d in range(by_rank.shape[0])]
+
+
 def measure_accuracy(task, target, data, cfg, batches: int = 8, width: int = 10, first_batch: int = 1_000_000):
     """accuracy[d, i]: how often candidate i (rank i of head d) is the target's own argmax token at depth
     d+1, measured teacher-forced on batches the training never used (batch indices from first_batch on)."""

@@ -109,6 +109,13 @@ def test_every_option_says_what_it_does(command):
     assert not missing, f"edgespec {command}: options without help: {missing}"
 
 
+def test_the_top_level_help_lists_every_drafter_kind_train_drafter_trains(capsys):
+    from export.drafters.cli import KINDS
+    code, out, _ = run_cli(["--help"], capsys)
+    text = " ".join(out.split())  # argparse wraps the command list
+    assert code == 0 and f"train-drafter distil a drafter ({', '.join(KINDS)})" in text, text
+
+
 def test_bench_has_one_drafter_option_and_the_singular_still_works():
     opts = {o for a in subparser("bench")._actions for o in a.option_strings}
     assert "--drafters" in opts and "--drafter" not in opts
