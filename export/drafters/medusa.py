@@ -130,7 +130,7 @@ def read_medusa(path: str, hidden: Optional[int] = None, vocab: Optional[int] = 
 
 def write_medusa(out_dir: str, weights: Dict[str, np.ndarray], config: Dict) -> List[str]:
     """Write `medusa_lm_head.safetensors` (fp16) + `config.json` into out_dir, each atomically. -> paths."""
-    from runtime.model.bundle import write_atomically
+    from runtime.model.bundle import give_normal_mode, write_atomically
     from runtime.model.tensors import write_safetensors
 
     num_heads, num_layers = medusa_layout(weights, "the heads to write")
@@ -140,7 +140,7 @@ def write_medusa(out_dir: str, weights: Dict[str, np.ndarray], config: Dict) -> 
     os.close(fd)
     try:
         write_safetensors(tmp, {k: np.asarray(v, np.float16) for k, v in weights.items()}, metadata={"format": "pt"})
-        os.chmod(tmp, 0o644)
+        give_normal_mode(tmp)  # mkstemp made it 0o600
         os.replace(tmp, head_path)
     finally:
         if os.path.exists(tmp):

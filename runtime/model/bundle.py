@@ -412,6 +412,30 @@ def update_target_backend_params(root: str, key: str, name: str, value: Any) -> 
     return manifest
 
 
+def current_umask() -> int:
+    try:
+        with open("/proc/self/status") as f:  # Linux: read without changing it
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        umask = os.umask(0o022)  # elsewhere the only way to read it is to set it (and put it back)
+        os.umask(umask)
+        return umask
+
+
+def normal_file_mode() -> int:
+    """The mode a plain `open(path, "w")` gives a new file: 0o666 less the umask (0o644 under umask 022).
+    Temporary files (tempfile.mkstemp) and onnx's external-data writer create theirs 0o600; a bundle's files
+    get this mode instead, all alike, so that a copy to the robot's user (rsync -p) can read every one."""
+    return 0o666 & ~current_umask()
+
+
+def give_normal_mode(*paths: str) -> None:
+    """chmod each file to `normal_file_mode()` (a file written by a library or through a temporary name)."""
+    mode = normal_file_mode()
+    for path in paths:
+        os.chmod(path, mode)
+
+
 def write_atomically(path: str, text: str) -> None:
     """Replace `path` by a new file holding `text`: written to a temporary file beside it, then renamed.
     A reader sees the old file or the new one, never half of one; and a hard link to the old file (a
@@ -422,7 +446,7 @@ def write_atomically(path: str, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
+        give_normal_mode(tmp)  # mkstemp made it 0o600
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
