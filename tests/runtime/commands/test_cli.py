@@ -116,6 +116,19 @@ def test_the_top_level_help_lists_every_drafter_kind_train_drafter_trains(capsys
     assert code == 0 and f"train-drafter distil a drafter ({', '.join(KINDS)})" in text, text
 
 
+@pytest.mark.parametrize("command", ["plan", "profile"])
+def test_memory_subcommands_have_a_description_and_examples_that_parse(command):
+    memory = subparser("memory")
+    sub = next(a for a in memory._actions if a.dest == "memory_command").choices[command]
+    text = sub.format_help()
+    assert "examples:" in text and len(sub.description.split("examples:")[0].split()) > 20, text
+    examples = sub.description.split("examples:")[1].replace("\\\n", " ")  # continuation lines joined
+    lines = [l.strip() for l in examples.splitlines() if l.strip().startswith(f"edgespec memory {command}")]
+    assert lines, text
+    for line in lines:
+        build_parser().parse_args(shlex.split(line)[1:])
+
+
 def test_bench_has_one_drafter_option_and_the_singular_still_works():
     opts = {o for a in subparser("bench")._actions for o in a.option_strings}
     assert "--drafters" in opts and "--drafter" not in opts
