@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "holds one GGUF entry per model: exporting another quant replaces it and removes its files")
     p.add_argument("--force", action="store_true",
                    help="gguf only: replace an existing output file (refused otherwise)")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print the libraries' own logs and warnings (torch.onnx, onnxscript, llama.cpp's loader "
+                        "and quantiser), hidden by default")
     p.add_argument("--no-validate", action="store_true",
                    help="onnx: skip the numeric comparison against the numpy reference after export")
     trt = p.add_argument_group("tensorrt", "engine shapes (tensorrt only)")
@@ -75,8 +78,10 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from export.library_logs import set_verbose
     from runtime.errors import ConfigError
 
+    set_verbose(args.verbose)
     if args.to == "tensorrt":
         return run_tensorrt(args)
     if args.to == "gguf":

@@ -20,7 +20,7 @@ import yaml
 
 from export.bundle.hf_reader import read_hf_checkpoint
 from export.bundle.prompts import bundle_prompts
-from runtime.model.bundle import MANIFEST, BundleWriter
+from runtime.model.bundle import MANIFEST, BundleWriter, current_umask
 from runtime.errors import BundleError
 from runtime.model.tensors import safetensors_dtypes, write_safetensors
 from runtime.text.tokenizer import Tokenizer
@@ -146,7 +146,8 @@ def build_bundle(target_dir: str, out: str, draft_dir: Optional[str] = None, nam
         _write_bundle(target_dir, staged, draft_dir, name, default_drafter, prompts or {}, report, medusa, dflash_dirs)
         if extend is not None:
             extend(staged)
-        os.chmod(staged, 0o755)  # mkdtemp makes it private; a bundle is read by other users (the ROS node)
+        # mkdtemp makes it private; a bundle is read by other users (the ROS node): the mode mkdir would give
+        os.chmod(staged, 0o777 & ~current_umask())
         _publish(staged, out)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)  # ours alone: nothing else was ever written there

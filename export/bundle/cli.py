@@ -48,6 +48,8 @@ def register(sub) -> None:
                         "--force; a directory holding anything else is refused); never an input or inside one")
     p.add_argument("--force", action="store_true", help="replace the edgespec bundle already at --out")
     p.add_argument("--backends", default="numpy_ref", help="comma-separated: numpy_ref (always), onnx")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print the libraries' own logs and warnings during the ONNX export (hidden by default)")
     p.add_argument("--default-drafter", help="drafter used when a request names none (default: draft_model if given)")
     g = p.add_argument_group("prompt format (default: the model's chat template and edgespec's task templates)")
     g.add_argument("--prompts", metavar="FILE", help="YAML with a `prompts:` section: planner / action / text "
@@ -62,7 +64,9 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from export.bundle.builder import build_bundle, dtype_summary
+    from export.library_logs import set_verbose
 
+    set_verbose(args.verbose)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not backends or any(b not in BACKENDS for b in backends):
         raise ConfigError(f"--backends: got {args.backends!r}, expected a comma-separated list of {list(BACKENDS)}")

@@ -46,7 +46,8 @@ KINDS = ("medusa", "eagle1", "eagle3", "dflash", "dflash2")
 
 
 def register(sub) -> None:
-    p = sub.add_parser("train-drafter", help="distil a drafter (medusa) from a target with the shared trainer",
+    p = sub.add_parser("train-drafter", help=f"distil a drafter ({', '.join(KINDS)}) from a target with the shared "
+                                             "trainer",
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("kind", choices=KINDS, help="the drafter kind to train")
     p.add_argument("--target", required=True, metavar="DIR", help="the target's HF directory (e.g. zoo/target)")
@@ -116,7 +117,7 @@ def run(args) -> int:
     import torch
 
     from export.drafters.data import build_token_data
-    from export.drafters.medusa import measure_accuracy, medusa_task, tune_tree
+    from export.drafters.medusa import accuracy_report, measure_accuracy, medusa_task, top_k_accuracy, tune_tree
     from export.drafters.trainer import Dist, TrainConfig, train
     from export.zoo.model import load_hf
 
@@ -154,11 +155,13 @@ def run(args) -> int:
     if args.tree_nodes:
         acc = measure_accuracy(task, target, data, cfg)
         choices, tau = tune_tree(acc, args.tree_nodes)
-        log("top-k accuracy per head (held-out batches): "
-            + "; ".join(f"head {k}: " + " ".join(f"{a:.2f}" for a in row[:5]) for k, row in enumerate(acc)))
+        log("accuracy per head on held-out batches (top-k: the target's token among the head's k best; "
+            "rank-i: it is the head's i-th candidate, what the tree search weighs): "
+            + "; ".join(accuracy_report(acc)))
         log(f"tuned tree: {len(choices)} nodes, expected tau {tau:.2f} (greedy, independence assumed)")
         config["medusa_choices"] = choices
-        config["tree_tuning"] = {"accuracy_top5": [[round(float(a), 4) for a in row[:5]] for row in acc],
+        config["tree_tuning"] = {"accuracy_by_rank": [[round(float(a), 4) for a in row[:5]] for row in acc],
+                                 "top_k_accuracy": [[round(float(a), 4) for a in row[:5]] for row in top_k_accuracy(acc)],
                                  "expected_tau": round(tau, 3), "max_nodes": args.tree_nodes}
     files = task.export(args.out, config)
     log(f"wrote {', '.join(files)} ({os.path.getsize(files[0]) / 2**20:.1f} MiB)")

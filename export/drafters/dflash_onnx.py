@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from export.library_logs import quiet_library
 from export.onnx.graph import OPSET, save_program
 from runtime.drafters.dflash import DFlashParams, dflash_weight_names
 from runtime.errors import ExportError
@@ -122,7 +123,7 @@ def export_dflash_onnx(spec: ModelSpec, params: DFlashParams, weights: Mapping[s
     dynamic = {"context": {0: C}, "block": {0: B}, "context_cos": {0: C}, "context_sin": {0: C},
                "block_cos": {0: B}, "block_sin": {0: B}, "past_keys": [{0: P}] * L, "past_values": [{0: P}] * L}
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    with torch.no_grad():
+    with torch.no_grad(), quiet_library():  # torch.onnx's notes and warnings about itself (--verbose shows them)
         program = torch.onnx.export(module, args, dynamo=True, opset_version=OPSET, input_names=input_names(L),
                                     output_names=output_names(L), dynamic_shapes=dynamic, verbose=False)
     return save_program(program, out_path)

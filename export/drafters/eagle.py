@@ -37,6 +37,8 @@ from runtime.model.spec import ModelSpec
 from runtime.model.tensors import write_safetensors
 
 KINDS = ("eagle", "eagle3")
+KIND_NAMES = {"eagle": "an EAGLE-1", "eagle3": "an EAGLE-3"}
+KIND_FLAGS = {"eagle": "`edgespec bundle --eagle DIR`", "eagle3": "`edgespec bundle --eagle3 DIR`"}
 LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
               "post_attention_layernorm.weight")
@@ -156,10 +158,14 @@ def load_eagle(path: str, target: ModelSpec, kind: str = "auto") -> EagleHead:
     Raises BundleError naming the file, the key and what was expected."""
     layer_cfg, wrapper = read_config(path)
     raw = read_weights(path)
-    if kind == "auto":
-        kind = detect_kind(raw, layer_cfg, wrapper)
-    if kind not in KINDS:
+    if kind not in KINDS + ("auto",):
         raise BundleError(f"EAGLE kind {kind!r}: expected one of {list(KINDS)} or auto")
+    found = detect_kind(raw, layer_cfg, wrapper)
+    if kind != "auto" and found != kind:
+        # Said before the key check, which would only list the other kind's tensors as missing.
+        raise BundleError(f"{path}: this is {KIND_NAMES[found]} head, not {KIND_NAMES[kind]} one: "
+                          f"pass it with {KIND_FLAGS[found]} (not {KIND_FLAGS[kind]})")
+    kind = found if kind == "auto" else kind
     source = os.path.join(path, "config.json")
     try:
         w = canonical(raw, kind)

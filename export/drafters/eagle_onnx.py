@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from export.library_logs import quiet_library
 from export.onnx.graph import OPSET, DecoderGraph, rms_norm, rotate, save_program
 from runtime.backends.onnx import additive_mask
 from runtime.model.bundle import sha256_of
@@ -109,7 +110,7 @@ def export_eagle_onnx(drafter: EagleDrafter, out_path: str) -> str:
     dynamic = {"input_ids": {0: T}, "features": {0: T}, "position_ids": {0: T}, "attention_mask": {0: T, 1: S},
                "past_key": {0: P}, "past_value": {0: P}}
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    with torch.no_grad():
+    with torch.no_grad(), quiet_library():  # torch.onnx's notes and warnings about itself (--verbose shows them)
         program = torch.onnx.export(module, args, dynamo=True, opset_version=OPSET, input_names=list(INPUTS),
                                     output_names=list(OUTPUTS), dynamic_shapes=dynamic, verbose=False)
     return save_program(program, out_path)

@@ -130,7 +130,7 @@ def read_medusa(path: str, hidden: Optional[int] = None, vocab: Optional[int] = 
 
 def write_medusa(out_dir: str, weights: Dict[str, np.ndarray], config: Dict) -> List[str]:
     """Write `medusa_lm_head.safetensors` (fp16) + `config.json` into out_dir, each atomically. -> paths."""
-    from runtime.model.bundle import write_atomically
+    from runtime.model.bundle import give_normal_mode, write_atomically
     from runtime.model.tensors import write_safetensors
 
     num_heads, num_layers = medusa_layout(weights, "the heads to write")
@@ -140,7 +140,7 @@ def write_medusa(out_dir: str, weights: Dict[str, np.ndarray], config: Dict) -> 
     os.close(fd)
     try:
         write_safetensors(tmp, {k: np.asarray(v, np.float16) for k, v in weights.items()}, metadata={"format": "pt"})
-        os.chmod(tmp, 0o644)
+        give_normal_mode(tmp)  # mkstemp made it 0o600
         os.replace(tmp, head_path)
     finally:
         if os.path.exists(tmp):
@@ -261,6 +261,21 @@ def medusa_task(target, num_heads: int, num_layers: int):
     task_cls = _torch_task()
     head = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
     return task_cls(target.cfg.hidden_size, target.cfg.vocab_size, num_heads, num_layers, head.detach().clone())
+
+
+def top_k_accuracy(by_rank: np.ndarray) -> np.ndarray:
+    """Top-k accuracy (how often the target's token is among a head's k best) from accuracy by rank (how often
+    it is exactly the rank-i candidate, as `measure_accuracy` gives and the tree search needs): the ranks are
+    disjoint events, so top-k is their running sum. Example: by rank [0.23, 0.12, 0.08] -> top-k [0.23, 0.35, 0.43]."""
+    return np.cumsum(by_rank, axis=-1)
+
+
+def accuracy_report(by_rank: np.ndarray, k: int = 5) -> List[str]:
+    """The training log's lines: per head, top-1..k accuracy and the accuracy of each rank's candidate."""
+    top = top_k_accuracy(by_rank)
+    return [f"head {d}: top-1..{k} accuracy " + " ".join(f"{a:.2f}" for a in top[d, :k])
+            + "; rank-1..{} candidate alone ".format(k) + " ".join(f"{a:.2f}" for a in by_rank[d, :k])
+            for d in range(by_rank.shape[0])]
 
 
 def measure_accuracy(task, target, data, cfg, batches: int = 8, width: int = 10, first_batch: int = 1_000_000):

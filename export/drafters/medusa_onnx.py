@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from export.library_logs import quiet_library
 from export.onnx.graph import OPSET, save_program
 from runtime.backends.onnx_net import OnnxNet
 from runtime.drafters.medusa import MedusaDrafter
@@ -45,7 +46,7 @@ def export_medusa_onnx(weights: Mapping[str, np.ndarray], out_path: str) -> str:
     drafter = MedusaDrafter(weights)
     module = MedusaGraph(drafter).eval()
     H = drafter.out.shape[2]
-    with torch.no_grad():
+    with torch.no_grad(), quiet_library():  # torch.onnx's notes and warnings about itself (--verbose shows them)
         program = torch.onnx.export(module, (torch.zeros(H),), dynamo=True, opset_version=OPSET,
                                     input_names=["hidden"], output_names=["logits"], verbose=False)
     return save_program(program, out_path)

@@ -21,6 +21,7 @@ from typing import List, Mapping
 import numpy as np
 import torch
 
+from export.library_logs import quiet_library
 from export.onnx.graph import (OPSET, PRECISIONS, DecoderGraph, rms_norm, check_against_reference, save_program,
                          share_initializers)
 from runtime.backends.onnx_net import OnnxNet
@@ -74,7 +75,7 @@ def export_mtp_module_onnx(module: MTPModule, out_path: str, precision: str = "f
     dynamic = {"hidden": {0: T}, "input_ids": {0: T}, "position_ids": {0: T}, "attention_mask": {0: T, 1: S},
                "past_key": {0: P}, "past_value": {0: P}}
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    with torch.no_grad():
+    with torch.no_grad(), quiet_library():  # torch.onnx's notes and warnings about itself (--verbose shows them)
         program = torch.onnx.export(graph, args, dynamo=True, opset_version=OPSET, input_names=list(GRAPH_INPUTS),
                                     output_names=list(GRAPH_OUTPUTS), dynamic_shapes=dynamic, verbose=False)
     return save_program(program, out_path)

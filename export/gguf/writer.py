@@ -19,6 +19,7 @@ Bundle entry: target.backends.gguf = {files: [gguf/target.<quant>.gguf], params:
 draft model gets drafters.<name>.backends.gguf likewise. One GGUF entry per model, as for ONNX."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import tempfile
@@ -27,6 +28,7 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from runtime.model import bundle as bundle_mod
+from runtime.backends import llamacpp as llamacpp_backend
 from runtime.backends.numpy_ref import load_float32, required_weight_names
 from runtime.errors import BackendError, BundleError
 from runtime.model.layers import rope_inv_freq
@@ -155,17 +157,17 @@ def write_gguf_f16(spec: ModelSpec, weights: Mapping[str, np.ndarray], tokenizer
 
 def quantize(src: str, dst: str, quant: str, threads: int = 0) -> None:
     """llama.cpp's own quantiser: `src` (f16 GGUF) -> `dst` at `quant`."""
-    try:
-        import llama_cpp
-    except ImportError:
+    if importlib.util.find_spec("llama_cpp") is None:
         raise BackendError(f"--quant {quant} runs llama.cpp's quantiser: install llama-cpp-python "
-                           "(scripts/bootstrap.sh builds it; `pip install edgespec[gguf]` elsewhere), or export f16") from None
+                           "(scripts/bootstrap.sh builds it; `pip install edgespec[gguf]` elsewhere), or export f16")
+    llama_cpp = llamacpp_backend.library()  # its loader / quantiser log kept (--verbose prints it), not printed
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = LLAMA_FTYPE[quant]
     params.nthread = threads or os.cpu_count() or 1
     rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
     if rc != 0:
-        raise BackendError(f"{dst}: llama.cpp's quantiser failed to write {quant} (code {rc})")
+        raise BackendError(f"{dst}: llama.cpp's quantiser failed to write {quant} (code {rc})"
+                           f"{llamacpp_backend.recent_log()}")
 
 
 def write_gguf(spec: ModelSpec, weights: Mapping[str, np.ndarray], tokenizer_json: str, out_path: str,
@@ -185,7 +187,7 @@ def write_gguf(spec: ModelSpec, weights: Mapping[str, np.ndarray], tokenizer_jso
         if quant != "f16":
             quantize(tmp[0], tmp[1], quant)
             final = tmp[1]
-        os.chmod(final, 0o644)
+        bundle_mod.give_normal_mode(final)  # mkstemp made it 0o600
         os.replace(final, out_path)
     finally:
         for path in tmp:

@@ -47,11 +47,13 @@ import onnx
 import torch
 from torch import nn
 
+from export.library_logs import quiet_library
 from runtime.backends.base import parse_tap
 from runtime.backends.numpy_ref import NumpyTarget, cache_shape, load_float32, required_weight_names
 from runtime.backends.onnx import OnnxTarget, tap_output_name
 from runtime.errors import ExportError
 from runtime.memory.kv import KVArena
+from runtime.model.bundle import give_normal_mode
 from runtime.model.layers import rope_inv_freq
 from runtime.model.spec import ModelSpec
 from runtime.model.tensors import read_safetensors
@@ -218,7 +220,7 @@ def export_decoder_onnx(spec: ModelSpec, weights: Mapping[str, np.ndarray], out_
         onnx_gqa.register_schema()
         translation = onnx_gqa.TRANSLATION
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    with torch.no_grad():
+    with torch.no_grad(), quiet_library():  # torch.onnx's notes and warnings about itself (--verbose shows them)
         program = torch.onnx.export(module, args, dynamo=True, opset_version=OPSET,
                                     input_names=input_names(spec.num_layers),
                                     output_names=output_names(taps, spec.num_layers, attention),
@@ -232,15 +234,23 @@ def save_program(program, out_path: str) -> str:
     # lists it). onnx appends to an existing data file, so stale files are removed first.
     data = os.path.basename(out_path) + ".data"
     with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(out_path))) as scratch:
-        program.save(os.path.join(scratch, "graph.onnx"), external_data=True)
+        with quiet_library():  # the optimiser's notes on its own passes
+            program.save(os.path.join(scratch, "graph.onnx"), external_data=True)
         model = onnx.load(os.path.join(scratch, "graph.onnx"))
     for stale in (out_path, out_path + ".data"):
         if os.path.exists(stale):
             os.remove(stale)
-    onnx.save(model, out_path, save_as_external_data=True, all_tensors_to_one_file=True,
-              location=data, size_threshold=1024)
-    onnx.checker.check_model(out_path, full_check=False)
+    save_onnx(model, out_path, data)
     return out_path
+
+
+def save_onnx(model, out_path: str, data: str) -> None:
+    """onnx.save with every weight in the one data file `data` (a name beside out_path), checked; both files
+    get the mode a normal write gives (onnx's external-data writer creates its file 0o600)."""
+    onnx.save(model, out_path, save_as_external_data=True, all_tensors_to_one_file=True, location=data,
+              size_threshold=1024)
+    give_normal_mode(*[p for p in (out_path, os.path.join(os.path.dirname(out_path), data)) if os.path.exists(p)])
+    onnx.checker.check_model(out_path, full_check=False)
 
 
 def export_target_onnx(spec: ModelSpec, weights: Mapping[str, np.ndarray], out_path: str,
@@ -290,9 +300,7 @@ def share_initializers(graph_path: str, source_path: str, min_bytes: int = 4096)
         shared += 1
     own = os.path.basename(graph_path) + ".data"
     os.remove(graph_path + ".data")
-    onnx.save(model, graph_path, save_as_external_data=True, all_tensors_to_one_file=True, location=own,
-              size_threshold=1024)
-    onnx.checker.check_model(graph_path, full_check=False)
+    save_onnx(model, graph_path, own)
     return shared
 
 

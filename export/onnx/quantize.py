@@ -19,6 +19,8 @@ from typing import Sequence
 
 import onnx
 
+from runtime.model.bundle import give_normal_mode
+
 BITS = {"int8": 8, "int4": 4}
 
 # MatMulNBits' accuracy_level per precision, the faster one on this CPU (ORT 1.32, 2 shared cores, plain decode
@@ -65,5 +67,6 @@ def quantize_graph(src_path: str, out_path: str, precision: str, vocab_size: int
             os.remove(stale)
     onnx.save(quantizer.model.model, out_path, save_as_external_data=True, all_tensors_to_one_file=True,
               location=os.path.basename(out_path) + ".data", size_threshold=1024)
+    give_normal_mode(out_path, out_path + ".data")  # onnx's external-data writer creates it 0o600
     onnx.checker.check_model(out_path, full_check=False)
     return out_path

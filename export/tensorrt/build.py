@@ -69,6 +69,7 @@ def write_bytes_atomically(path: str, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        bundle_mod.give_normal_mode(tmp)  # mkstemp made it 0o600
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -20,6 +20,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from runtime.model.bundle import give_normal_mode
+
 WEIGHT_BITS = {"int8": 8, "int4": 4}
 OPSET = 21
 
@@ -117,5 +119,6 @@ def quantize_graph(src: str, dst: str, weights: str) -> Dict[str, int]:
             os.remove(stale)
     onnx.save(model, dst, save_as_external_data=True, all_tensors_to_one_file=True,
               location=os.path.basename(dst) + ".data", size_threshold=1024)
+    give_normal_mode(dst, dst + ".data")  # onnx's external-data writer creates it 0o600
     onnx.checker.check_model(dst, full_check=False)
     return stats

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import sys
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -63,13 +64,32 @@ def _lib():
                 raise BackendError(_INSTALL) from None
 
             def on_log(level, text, user_data):
-                _log_tail.append(text.decode(errors="replace").rstrip() if text else "")
+                line = text.decode(errors="replace") if text else ""
+                _log_tail.append(line.rstrip())
+                if _state.get("echo"):
+                    sys.stderr.write(line)
 
             callback = llama_cpp.llama_log_callback(on_log)
             llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
             llama_cpp.llama_backend_init()
             _state.update(lib=llama_cpp, log_callback=callback)
         return _state["lib"]
+
+
+def library():
+    """llama_cpp (llama-cpp-python), its log kept for error messages rather than printed (BackendError if absent)."""
+    return _lib()
+
+
+def recent_log() -> str:
+    """"; llama.cpp said: ..." with its last few log lines, or "" (for errors of llama.cpp calls made elsewhere)."""
+    return _recent_log()
+
+
+def echo_library_log(on: bool) -> None:
+    """Also print llama.cpp's log lines to stderr (`edgespec export --verbose`); by default only the last few
+    are kept, quoted in the error when a call fails."""
+    _state["echo"] = bool(on)
 
 
 def _recent_log() -> str:

@@ -221,7 +221,8 @@ def run_until(engine: Engine, prompt: Sequence[int], params: SamplingParams, see
 
 
 def certify_context(engine: Engine, target: MemoModel, prompt: Sequence[int], params: SamplingParams, draws: int,
-                    alpha: float, seed: int, label: str, min_mass: float = 1e-4) -> ContextResult:
+                    alpha: float, seed: int, label: str, min_mass: float = 1e-4,
+                    on_draw: Optional[Callable[[int], None]] = None) -> ContextResult:
     root = int(np.argmax(target.distribution(prompt, SamplingParams())))  # a natural continuation to start from
     prefix = list(prompt) + [root]
     p1, joint = exact_pair_distribution(target, prefix, params, min_mass)
@@ -238,6 +239,8 @@ def certify_context(engine: Engine, target: MemoModel, prompt: Sequence[int], pa
         pair_counts[head_index[t1] * vocab + t2 if t1 in head_index else -1] += 1
         emitted += len(out.tokens) - 1
         cycles += out.stats.cycles
+        if on_draw:
+            on_draw(i + 1)
     pair_probs = np.concatenate([joint[t] for t in heads] + [[max(0.0, 1.0 - sum(p1[t] for t in heads))]])
     pair_probs /= pair_probs.sum()
     g1 = chi_square_gof(first_counts, p1)
@@ -356,10 +359,12 @@ LOSSY_REFUSAL = ("decoding.lossy_typical_acceptance: typical acceptance is a LOS
 
 def certify(session, contexts: Sequence, params: SamplingParams, draws: int = 20000, alpha: float = 1e-3,
             seed: int = 0, verifier: Optional[Callable] = None, sibling_rule: Optional[Callable] = None,
-            progress: Optional[Callable[[ContextResult], None]] = None) -> List[ContextResult]:
+            progress: Optional[Callable[[ContextResult], None]] = None,
+            on_draw: Optional[Callable[[int, int, int, int], None]] = None) -> List[ContextResult]:
     """Run `certify_context` on each context (a text, or a (label, token ids) pair from `choose_contexts`).
     `verifier` / `sibling_rule` replace the verification rule / the drafter's sibling rule for this call
-    only: power controls that feed a wrong rule and must be rejected."""
+    only: power controls that feed a wrong rule and must be rejected. `progress` gets each context's result,
+    `on_draw(context index, contexts, draws done, draws)` is called after every draw (progress lines)."""
     if getattr(session.engine.sampled_verifier, "lossy", False):
         raise ConfigError(LOSSY_REFUSAL)
     target = memoise_session(session)
@@ -374,7 +379,9 @@ def certify(session, contexts: Sequence, params: SamplingParams, draws: int = 20
     try:
         for k, ctx in enumerate(contexts):
             label, prompt = (ctx, session.tokenizer.encode(ctx)) if isinstance(ctx, str) else ctx
-            res = certify_context(session.engine, target, prompt, params, draws, alpha, seed + 1_000_003 * k, label)
+            tick = (lambda i, k=k: on_draw(k, len(contexts), i, draws)) if on_draw else None
+            res = certify_context(session.engine, target, prompt, params, draws, alpha, seed + 1_000_003 * k, label,
+                                  on_draw=tick)
             results.append(res)
             if progress:
                 progress(res)

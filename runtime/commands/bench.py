@@ -31,9 +31,10 @@ from runtime.commands.bench_peers import open_peers, peer_request, peer_rows, ru
 from runtime.commands.bench_plot import write_plots
 from runtime.commands.bench_tally import Tally, paired_speedup  # noqa: F401 (paired_speedup: part of this command's API)
 from runtime.commands.common import add_model_args, runtime_config, split_list
-from runtime.errors import ConfigError
-from runtime.text.prompts import format_observation
-from runtime.serving.session import DRAFTER_CHOICES, GenerationParams, Session, prompt_format
+from runtime.errors import ConfigError, EdgespecError
+from runtime.text.actions import has_action_tokens, no_action_tokens
+from runtime.text.prompts import ACTION_TOKENS, format_observation
+from runtime.serving.session import GenerationParams, Session, prompt_format
 from runtime.text.templates import PromptFormat
 from runtime.text.tokenizer import Tokenizer
 
@@ -66,6 +67,7 @@ def bench_prompts(fmt: PromptFormat, domains=tuple(BENCH_REQUESTS)) -> Dict[str,
     return {d: [fmt.render(task, **values) for task, values in BENCH_REQUESTS[d]] for d in domains}
 
 
+DEFAULT_DRAFTERS = ("none", "ngram", "draft_model")
 CONTROL = "none (control)"  # plain decoding measured a second time, as if it were a drafter
 
 
@@ -73,9 +75,10 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="speedup of each drafter over plain decoding, measured side by side",
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p, drafter=False)  # bench compares drafters: --drafters names them all
-    p.add_argument("--drafters", default="none,ngram,draft_model",
-                   help="comma-separated drafters to compare (default none,ngram,draft_model); 'none' (plain "
-                        "decoding) is always run as the baseline, and again as the control row")
+    p.add_argument("--drafters",
+                   help="comma-separated drafters to compare (default: those of none,ngram,draft_model the bundle "
+                        "has); 'none' (plain decoding) is always run as the baseline, and again as the control row; "
+                        "one this backend cannot run gets a row saying why")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt, >= 1 (default 64)")
     p.add_argument("--domains", help=f"comma-separated prompt sets to run, of {', '.join(BENCH_REQUESTS)} in the "
                                      "bundle's prompt format, and 'file' for --prompts (default: all those the bundle "
@@ -117,6 +120,14 @@ def parse_temperatures(text: str) -> List[float]:
     if not temps or any(not (0.0 <= t <= 100.0) for t in temps):  # also refuses nan
         raise ConfigError(f"--temperatures: got {text!r}, expected a comma-separated list of numbers in [0, 100]")
     return temps
+
+
+def unrunnable_domains(tokenizer) -> Dict[str, str]:
+    """{domain: why this model cannot answer it}: the action domain needs the action-bin tokens (a model
+    without them would be timed on free text that is no action at all)."""
+    if has_action_tokens(tokenizer):
+        return {}
+    return {"action": no_action_tokens([t for t in ACTION_TOKENS if tokenizer.token_to_id(t) is None])}
 
 
 def read_prompts(path: str) -> List[str]:
@@ -185,16 +196,31 @@ def run(args) -> int:
         raise ConfigError(f"--rounds: got {args.rounds}, expected >= 1")
     temps = parse_temperatures(args.temperatures)
     bundle = bundle_io.load(cfg.bundle, verify_checksums=False)  # the names are checked before anything runs
-    fmt = prompt_format(bundle, Tokenizer(bundle.path(bundle.tokenizer)))
+    tokenizer = Tokenizer(bundle.path(bundle.tokenizer))
+    fmt = prompt_format(bundle, tokenizer)
     own = {"file": read_prompts(args.prompts)} if args.prompts else {}
+    cannot = unrunnable_domains(tokenizer)
     if args.domains is None:
-        domains = list(own) or [d for d in BENCH_REQUESTS if fmt.has(d)]
+        domains = list(own) or [d for d in BENCH_REQUESTS if fmt.has(d) and d not in cannot]
+        for d in ([] if own else [d for d in cannot if fmt.has(d)]):
+            print(f"bench: skipping the {d} domain: {cannot[d]}", file=sys.stderr, flush=True)
     else:
         domains = split_list("--domains", args.domains, [*BENCH_REQUESTS, *own])
         for d in domains:
+            if d in cannot:
+                raise ConfigError(f"--domains: {d}: {cannot[d]}")
             if d not in own:
                 fmt.template(d)  # a BundleError saying what to add when the bundle has no template for it
-    names = split_list("--drafters", args.drafters, set(DRAFTER_CHOICES) | set(bundle.drafters))
+    if args.drafters is None:  # the default: those of none, ngram, draft_model the bundle can run
+        names = [n for n in DEFAULT_DRAFTERS if n in bundle.drafter_choices()]
+    else:
+        names = [n.strip() for n in args.drafters.split(",") if n.strip()]
+        if not names:
+            raise ConfigError(f"--drafters: got {args.drafters!r}, expected a comma-separated list of "
+                              f"{bundle.drafter_choices()}")
+        for n in names:
+            if n not in bundle.drafter_choices():
+                raise ConfigError(f"--drafters: got {args.drafters!r}; {bundle.missing_drafter(n)}")
     names = ["none"] + [n for n in dict.fromkeys(names) if n != "none"]
     configs = {n: n for n in names}
     configs[CONTROL] = "none"
@@ -202,14 +228,13 @@ def run(args) -> int:
     prompts = [(d, p) for d in domains for p in sets[d]]  # (domain, text)
     wanted_peers = peer_request(args, bundle.name, bundle)
     bandwidth = measure_bandwidth(128 << 20, 3)  # the bound this run's tok/s is read against, measured in the run
-    sessions = {label: Session(replace(cfg, drafter=replace(cfg.drafter, kind=kind))) for label, kind in configs.items()}
+    sessions, skipped = open_sessions(cfg, configs, prompts[0][1])
+    configs = {label: kind for label, kind in configs.items() if label in sessions}
     peers: Dict[str, object] = {}
     try:
         peers, unavailable = open_peers(wanted_peers, sessions["none"].engine.eos, cfg.backend.threads)
         prompt_ids = [sessions["none"].tokenizer.encode(p) for _, p in prompts]
         max_tokens = cfg.generation.max_tokens
-        for s in sessions.values():
-            s.generate(prompts[0][1], GenerationParams(max_tokens=4))  # warm-up (caches, allocations)
         for name in list(peers):  # a peer that fails here (its library refuses the model) becomes a row saying why
             try:
                 run_peer(peers[name], prompt_ids[0], 4)
@@ -260,6 +285,8 @@ def run(args) -> int:
         if 0.0 in temps:
             table += peer_rows(peers, unavailable, {(k[0], k[1]): v for k, v in tallies.items() if k[2] == "all"},
                                table, bundle.name)
+        table += [skipped_row(label, reason, bundle.name, sessions["none"].backend_name)
+                  for label, reason in skipped.items()]
     finally:
         for s in sessions.values():
             s.close()
@@ -272,7 +299,36 @@ def run(args) -> int:
     if args.plot:
         for path in write_plots(table, args.plot):
             print(f"bench: wrote {path}", file=sys.stderr)
-    return 0 if all(t["identical_to_plain"] is not False for t in table) else 1
+    return 0 if all(t.get("identical_to_plain") is not False for t in table) else 1
+
+
+def open_sessions(cfg, configs: Dict[str, str], warm_prompt: str) -> Tuple[Dict[str, Session], Dict[str, str]]:
+    """({label: warmed-up Session}, {label: why it cannot run}) of `configs` ({label: drafter}): a drafter this
+    bundle and backend cannot run (no graph for it, a tap the backend lacks) is skipped with its reason and the
+    others run. Plain decoding must open: it is every row's baseline."""
+    sessions: Dict[str, Session] = {}
+    skipped: Dict[str, str] = {}
+    for label, kind in configs.items():
+        session = None
+        try:
+            session = Session(replace(cfg, drafter=replace(cfg.drafter, kind=kind)))
+            session.generate(warm_prompt, GenerationParams(max_tokens=4))  # warm-up (caches, allocations)
+        except EdgespecError as exc:
+            if kind == "none":
+                raise
+            if session is not None:
+                session.close()
+            skipped[label] = str(exc)
+            print(f"bench: skipping {label}: {exc}", file=sys.stderr, flush=True)
+            continue
+        sessions[label] = session
+    return sessions, skipped
+
+
+def skipped_row(label: str, reason: str, bundle_name: str, backend: str) -> Dict[str, object]:
+    """The row of a drafter that could not run here: its name and why, no measurements."""
+    return {"drafter": label, "label": label, "skipped": reason, "control": False, "bundle": bundle_name,
+            "backend": backend, "identical_to_plain": None}
 
 
 def print_table(table: List[Dict[str, object]], bundle_name: str, prompts, domains, cfg, rounds: int) -> None:
@@ -285,6 +341,9 @@ def print_table(table: List[Dict[str, object]], bundle_name: str, prompts, domai
           f"{'ms/cycle':>9s} {'draft':>7s} {'verify':>7s} {'other':>7s} {'TTFT ms':>8s} {'GB/s':>6s} {'MiB':>6s}  identical")
     for t in table:
         if t.get("peer"):
+            continue
+        if "skipped" in t:
+            print(f"{t['label']:17s} skipped: {t['skipped']}")
             continue
         label = t["label"] + (" *" if standin else "")
         ident = {True: "yes", False: "NO", None: "n/a"}[t["identical_to_plain"]]

@@ -31,7 +31,7 @@ def write_plots(table: List[Dict[str, object]], out_dir: str) -> List[str]:
     except ImportError:
         raise ConfigError("--plot: needs matplotlib (pip install matplotlib, or pip install -e '.[plot]')")
     os.makedirs(out_dir, exist_ok=True)
-    rows = [r for r in table if not r.get("peer") and r["label"] != "none"]
+    rows = [r for r in table if not r.get("peer") and not r.get("skipped") and r["label"] != "none"]
     temps = sorted({r["temperature"] for r in rows})
     title = f"edgespec bench, bundle {table[0]['bundle']}" + (" (stand-in)" if table[0].get("standin") else "")
     written = []

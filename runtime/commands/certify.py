@@ -133,16 +133,43 @@ def run(args) -> int:
         print(f"certify: WARNING: {args.draws} draws per context give the test almost no power; a PASS means "
               f"little (use >= {MIN_USEFUL_DRAWS}, default 10000)", file=sys.stderr)
     verdicts = [run_configuration(session, args, params, b) for b in widths]
+    line, code = final_verdict(verdicts, control_run=not args.no_control)
+    print(line)
+    return code
+
+
+def final_verdict(verdicts: List[str], control_run: bool) -> Tuple[str, int]:
+    """(the closing line, the exit code) of the run's configurations' verdicts (PASS / FAIL / INCONCLUSIVE)."""
     if "FAIL" in verdicts:
-        print("certify: FAIL — the emitted distribution differs from the target's; do not deploy this drafter")
-        return 1
+        return "certify: FAIL — the emitted distribution differs from the target's; do not deploy this drafter", 1
     if "INCONCLUSIVE" in verdicts:
-        print("certify: INCONCLUSIVE — no evidence of a difference, but a known-wrong rule was not detected either "
-              "in these contexts; raise --draws or give --context where the drafter is confidently wrong")
-        return 2
-    print("certify: PASS — no evidence that speculative decoding changes the target distribution, and the power "
-          "control shows the test would have seen a wrong rule")
-    return 0
+        return ("certify: INCONCLUSIVE — no evidence of a difference, but a known-wrong rule was not detected either "
+                "in these contexts; raise --draws or give --context where the drafter is confidently wrong"), 2
+    if not control_run:
+        return ("certify: PASS — no evidence that speculative decoding changes the target distribution; no power "
+                "control was run (--no-control), so this does not show the test would have seen a wrong rule"), 0
+    return ("certify: PASS — no evidence that speculative decoding changes the target distribution, and the power "
+            "control shows the test would have seen a wrong rule"), 0
+
+
+class DrawProgress:
+    """Progress lines on stderr while draws run (a chain of 6 x 10000 draws takes minutes): one line when
+    `every_s` seconds have passed since the last, so a short run prints none. stdout (the verdicts) is untouched."""
+
+    def __init__(self, what: str, every_s: float = 10.0, clock=time.monotonic, out=None):
+        self.what = what
+        self.every_s = every_s
+        self.clock = clock
+        self.out = out
+        self.start = self.last = clock()
+
+    def __call__(self, context: int, contexts: int, done: int, draws: int) -> None:
+        now = self.clock()
+        if now - self.last < self.every_s:
+            return
+        self.last = now
+        print(f"certify: {self.what}: context {context + 1}/{contexts}, draw {done}/{draws}, "
+              f"{now - self.start:.0f} s", file=self.out or sys.stderr, flush=True)
 
 
 def run_configuration(session, args, params: SamplingParams, width: int) -> str:
@@ -161,7 +188,8 @@ def run_configuration(session, args, params: SamplingParams, width: int) -> str:
     print(f"\n== {shape}: {len(contexts)} contexts"
           + ("" if args.context else f" (searched in {time.perf_counter() - t0:.1f} s)"))
     print(f"{'context':64s} {'draws':>6s} {'p(t1)':>8s} {'p(t1,t2)':>9s} {'tau':>5s}  verdict")
-    results = certify(session, contexts, params, draws=args.draws, alpha=args.alpha, seed=args.seed, progress=_show)
+    results = certify(session, contexts, params, draws=args.draws, alpha=args.alpha, seed=args.seed, progress=_show,
+                      on_draw=DrawProgress(shape))
     passed = all(r.passed for r in results)
     if args.no_control:
         return "PASS" if passed else "FAIL"
@@ -169,7 +197,8 @@ def run_configuration(session, args, params: SamplingParams, width: int) -> str:
                                ("sample p instead of the residual", None, forget_residual))
     print(f"-- power control ({control}, must FAIL):")
     wrong = certify(session, contexts, params, draws=args.draws, alpha=args.alpha, seed=args.seed + 77,
-                    sibling_rule=rule, verifier=verifier, progress=_show)
+                    sibling_rule=rule, verifier=verifier, progress=_show,
+                    on_draw=DrawProgress(f"{shape}, power control"))
     caught = sum(not r.passed for r in wrong)
     print(f"-- power control rejected in {caught}/{len(wrong)} contexts "
           f"({'the test has power' if caught else 'NO POWER in these contexts'}); {shape} took "

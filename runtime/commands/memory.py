@@ -26,13 +26,35 @@ examples:
   edgespec memory profile --bundle build/bundles/zoo --context 128 --backend onnx --precision int8 --save
 """
 
+PLAN_HELP = """Plan the memory of a target + drafter on a device, without loading any weights: one row per part of
+the budget (weights, KV cache, drafter, forward scratch, runtime), the verdict (whether it fits, and the longest
+context that does) and the biggest lever (the change that frees the most). Plans a bundle as the Session would
+load it (--bundle), or any HF model from its config.json alone (--config), e.g. before downloading it.
+
+examples:
+  edgespec memory plan --bundle build/bundles/zoo --device this_machine
+  edgespec memory plan --bundle build/bundles/zoo --backend onnx --drafter eagle3 --context 2048 --json
+  edgespec memory plan --config configs/models/qwen3-8b.json --drafter-config configs/models/qwen3-8b-eagle3.json \\
+      --device orin_nx_16gb --precision int4
+"""
+
+PROFILE_HELP = """Load a bundle, run one request whose prompt fills --context positions, and compare the process's
+measured peak memory with the plan's rows for the same bundle, backend and context. --save stores the measured
+runtime overhead in the bundle, so that later plans of that backend use it instead of a guess.
+
+examples:
+  edgespec memory profile --bundle build/bundles/zoo --context 1024 --backend onnx
+  edgespec memory profile --bundle build/bundles/zoo --context 128 --backend onnx --precision int8 --save
+"""
+
 
 def register(sub) -> None:
     p = sub.add_parser("memory", help="memory plan for a device (what fits, max context) and measured peak vs plan",
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     cmds = p.add_subparsers(dest="memory_command", metavar="<plan|profile>")
     cmds.required = True
-    plan = cmds.add_parser("plan", help="rows of the budget, max context and verdict for a device")
+    plan = cmds.add_parser("plan", help="rows of the budget, max context and verdict for a device",
+                           description=PLAN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = plan.add_mutually_exclusive_group(required=True)
     src.add_argument("--bundle", help="a bundle directory (plans it as the Session loads it)")
     src.add_argument("--config", help="the target's HF config.json (e.g. configs/models/qwen3-1.7b.json)")
@@ -56,7 +78,8 @@ def register(sub) -> None:
                                                           "stacked bar, and max context vs budget per drafter")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(func=run_plan)
-    prof = cmds.add_parser("profile", help="load a bundle, run a request at a context, compare the peak to the plan")
+    prof = cmds.add_parser("profile", help="load a bundle, run a request at a context, compare the peak to the plan",
+                           description=PROFILE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     prof.add_argument("--bundle", help="bundle directory (default: the zoo)")
     prof.add_argument("--backend", choices=["auto", "numpy_ref", "onnx", "gguf", "tensorrt"],
                       help="backend (default auto)")

@@ -44,7 +44,35 @@ DRAFTER_KEYS = ("kind", "files", "params", "target_taps", "spec", "backends")
 BACKEND_KEYS = ("files", "params")
 FILE_KEYS = ("sha256", "size")
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+BUILTIN_DRAFTERS = ("none", "ngram")  # drafters every bundle can run, listed in its manifest or not
 DRAFTER_KINDS = ("ngram", "draft_model", "mtp", "medusa", "eagle", "eagle3", "dflash", "dflash2")
+
+
+# How a bundle gets each family of drafters (the names `edgespec bundle` gives them: medusa_chain, eagle2,
+# eagle3_chain, dflash_b8 ... share their family's source). Longest prefix first: eagle3 before eagle.
+DRAFTER_SOURCES = (
+    ("draft_model", "--draft DIR", "a smaller model with the target's tokenizer"),
+    ("mtp", None, "the target's own MTP module (DeepSeek-V3 keys model.layers.N); this target has none"),
+    ("medusa", "--medusa PATH", "heads from `edgespec train-drafter medusa --target DIR --out DIR`"),
+    ("eagle3", "--eagle3 DIR", "a head from `edgespec train-drafter eagle3 --target DIR --out DIR`"),
+    ("eagle", "--eagle DIR", "a head from `edgespec train-drafter eagle1 --target DIR --out DIR`"),
+    ("dflash2", "--dflash DIR", "a drafter from `edgespec train-drafter dflash2 --target DIR --out DIR`"),
+    ("dflash", "--dflash DIR", "a drafter from `edgespec train-drafter dflash --target DIR --out DIR`"),
+)
+
+
+def how_to_add_drafter(name: str, root: str) -> str:
+    """How to give the bundle at `root` the drafter `name`, or "" for a name no source makes.
+
+    Example: how_to_add_drafter("eagle3_chain", "b") -> "add it by rebuilding the bundle with
+    `edgespec bundle --target DIR --eagle3 DIR --out b --force` (--eagle3 takes a head from ...)"."""
+    for family, flag, what in DRAFTER_SOURCES:
+        if name.startswith(family):
+            if flag is None:
+                return f"{name} comes from {what}"
+            return (f"add it by rebuilding the bundle with `edgespec bundle --target DIR {flag} --out {root} "
+                    f"--force` ({flag.split()[0]} takes {what})")
+    return ""
 
 
 @dataclass(frozen=True)
@@ -95,9 +123,18 @@ class Bundle:
 
     def drafter(self, name: str) -> DrafterEntry:
         if name not in self.drafters:
-            raise BundleError(f"{self.root}: no drafter {name!r} in this bundle; it has {sorted(self.drafters)} "
-                              "(or 'none' for plain decoding)")
+            raise BundleError(self.missing_drafter(name))
         return self.drafters[name]
+
+    def drafter_choices(self) -> list:
+        """Every drafter name this bundle can run: its own, n-gram (needs no files) and 'none'."""
+        return sorted(set(BUILTIN_DRAFTERS) | set(self.drafters))
+
+    def missing_drafter(self, name: str) -> str:
+        """The message for a drafter this bundle lacks: what it can run instead, and how to add that one."""
+        how = how_to_add_drafter(name, self.root)
+        return (f"{self.root}: no drafter {name!r} in this bundle; it can run {self.drafter_choices()} "
+                f"('none' = plain decoding){'; ' + how if how else ''}")
 
     def target_files(self, backend: str) -> BackendFiles:
         if backend not in self.target.backends:
@@ -375,6 +412,30 @@ def update_target_backend_params(root: str, key: str, name: str, value: Any) -> 
     return manifest
 
 
+def current_umask() -> int:
+    try:
+        with open("/proc/self/status") as f:  # Linux: read without changing it
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        umask = os.umask(0o022)  # elsewhere the only way to read it is to set it (and put it back)
+        os.umask(umask)
+        return umask
+
+
+def normal_file_mode() -> int:
+    """The mode a plain `open(path, "w")` gives a new file: 0o666 less the umask (0o644 under umask 022).
+    Temporary files (tempfile.mkstemp) and onnx's external-data writer create theirs 0o600; a bundle's files
+    get this mode instead, all alike, so that a copy to the robot's user (rsync -p) can read every one."""
+    return 0o666 & ~current_umask()
+
+
+def give_normal_mode(*paths: str) -> None:
+    """chmod each file to `normal_file_mode()` (a file written by a library or through a temporary name)."""
+    mode = normal_file_mode()
+    for path in paths:
+        os.chmod(path, mode)
+
+
 def write_atomically(path: str, text: str) -> None:
     """Replace `path` by a new file holding `text`: written to a temporary file beside it, then renamed.
     A reader sees the old file or the new one, never half of one; and a hard link to the old file (a
@@ -385,7 +446,7 @@ def write_atomically(path: str, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
+        give_normal_mode(tmp)  # mkstemp made it 0o600
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

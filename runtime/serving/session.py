@@ -42,7 +42,7 @@ from runtime.text.tokenizer import StreamDecoder, Tokenizer
 from runtime.verify import verify_sampled
 from runtime.verify_typical import lossy_verifier
 
-DRAFTER_CHOICES = ("none", "ngram", "draft_model")
+DRAFTER_CHOICES = bundle_io.BUILTIN_DRAFTERS  # every other drafter needs its entry in the bundle
 
 
 @dataclass(frozen=True)
@@ -286,9 +286,8 @@ class Session:
         self.tokenizer = Tokenizer(b.path(b.tokenizer))
         spec = b.target.spec
         name = config.drafter.kind if config.drafter.kind != "auto" else b.default_drafter
-        if name not in DRAFTER_CHOICES and name not in b.drafters:
-            raise RequestError("drafter", f"unknown drafter {name!r}; choose one of "
-                                          f"{sorted(set(DRAFTER_CHOICES) | set(b.drafters))}")
+        if name not in b.drafter_choices():
+            raise RequestError("drafter", b.missing_drafter(name))
         # The plan (runtime/memory/plan.py) sizes the arena; an over-budget session is refused before any allocation.
         shapes = memory.bundle_cache_shapes(b, name)
         tree_tokens = config.drafter.num_tokens * config.drafter.branching + 1
@@ -438,6 +437,7 @@ class Session:
             exc.partial = Partial(decoder.text, list(emitted))
             raise
         out.stats.memory_bytes = self.memory_in_use()
+        out.stats.drafter = self.drafter_kind  # the name the user chose (eagle3_chain), not its kind (eagle3)
         tail = decoder.flush()
         if on_delta is not None and tail:
             on_delta(tail, state["n"])

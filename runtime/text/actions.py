@@ -20,6 +20,20 @@ DEFAULT_LOW = (-0.05, -0.05, -0.05, -0.2, -0.2, -0.2, 0.0)
 DEFAULT_HIGH = (0.05, 0.05, 0.05, 0.2, 0.2, 0.2, 1.0)
 
 
+def has_action_tokens(tokenizer) -> bool:
+    """Whether the tokenizer has every action-bin token (a model trained to emit actions, like the zoo's)."""
+    return all(tokenizer.token_to_id(tok) is not None for tok in ACTION_TOKENS)
+
+
+def no_action_tokens(missing) -> str:
+    """Why a model without (all) the bin tokens cannot answer action requests, and what one needs."""
+    which = "none of" if len(missing) == len(ACTION_TOKENS) else f"not all ({len(missing)} missing, e.g. {missing[0]}) of"
+    return (f"this model has no action tokens: its tokenizer has {which} the {ACTION_BINS} bin tokens "
+            f"{ACTION_TOKENS[0]} .. {ACTION_TOKENS[-1]}. Action requests need a model whose tokenizer has them and "
+            "that was trained to emit them (the zoo target, `edgespec zoo build`); ask this one planner or text "
+            "requests")
+
+
 @dataclass(frozen=True)
 class ActionTokenizer:
     token_ids: tuple  # (bins,) vocabulary id of bin b's token
@@ -41,13 +55,10 @@ class ActionTokenizer:
     @classmethod
     def from_tokenizer(cls, tokenizer, **kwargs) -> "ActionTokenizer":
         """Look the bin tokens up by string in a `tokenizers.Tokenizer` (or anything with token_to_id)."""
-        ids = []
-        for tok in ACTION_TOKENS:
-            tid = tokenizer.token_to_id(tok)
-            if tid is None:
-                raise RequestError("tokenizer", f"has no action token {tok}; was it built by `edgespec zoo build`?")
-            ids.append(int(tid))
-        return cls(token_ids=tuple(ids), **kwargs)
+        missing = [tok for tok in ACTION_TOKENS if tokenizer.token_to_id(tok) is None]
+        if missing:
+            raise RequestError("tokenizer", no_action_tokens(missing))
+        return cls(token_ids=tuple(int(tokenizer.token_to_id(tok)) for tok in ACTION_TOKENS), **kwargs)
 
     def _arrays(self):
         low = np.asarray(self.low, dtype=np.float64)

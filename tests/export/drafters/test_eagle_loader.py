@@ -141,3 +141,14 @@ def test_heads_are_added_to_a_bundle_as_drafters(tmp_path, tiny_bundle):
     assert b.drafters["eagle3"].spec.num_layers == 1
     with pytest.raises(BundleError, match="already has a drafter 'eagle'"):
         add_eagle_to_bundle(root, str(tmp_path / "e1"), name="eagle")
+
+
+@pytest.mark.parametrize("given,passed_as,flag", [("e3", "eagle", "--eagle3"), ("e1", "eagle3", "--eagle ")],
+                         ids=["eagle3_head_given_to_eagle", "eagle1_head_given_to_eagle3"])
+def test_a_head_of_the_other_eagle_kind_is_refused_naming_the_flag_to_use(tmp_path, target_spec, given, passed_as,
+                                                                          flag):
+    path = (eagle1_checkpoint(str(tmp_path / "e1"), target_spec) if given == "e1"
+            else eagle3_checkpoint(str(tmp_path / "e3"), target_spec, draft_vocab=40))
+    with pytest.raises(BundleError) as err:
+        load_eagle(path, target_spec, passed_as)
+    assert f"pass it with `edgespec bundle {flag}" in str(err.value) and "missing" not in str(err.value), err.value

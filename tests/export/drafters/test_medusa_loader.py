@@ -139,3 +139,13 @@ def test_bundle_with_medusa_heads_serves_both_drafters_through_a_session(tiny_bu
         assert s.memory_in_use() > plain.memory_in_use() + 3 * spec.vocab_size * spec.hidden_size * 4
         s.close()
     plain.close()
+
+
+def test_top_k_accuracy_never_falls_with_k_and_the_log_names_both_measures():
+    from export.drafters.medusa import accuracy_report, top_k_accuracy
+    by_rank = np.array([[0.23, 0.12, 0.08, 0.05, 0.03], [0.10, 0.07, 0.05, 0.04, 0.02]])  # rank-i candidate alone
+    top = top_k_accuracy(by_rank)
+    np.testing.assert_allclose(top[0], [0.23, 0.35, 0.43, 0.48, 0.51])
+    assert (np.diff(top, axis=1) >= 0).all()
+    line = accuracy_report(by_rank)[0]
+    assert line == "head 0: top-1..5 accuracy 0.23 0.35 0.43 0.48 0.51; rank-1..5 candidate alone 0.23 0.12 0.08 0.05 0.03"

@@ -79,3 +79,42 @@ def test_certify_tests_a_fixed_shape_drafter_once_in_its_own_shape():
         tree_widths("2,3", 1, medusa_like)
     draft_like = SimpleNamespace(kind="draft_model", builds_sampled_trees=True, branching=1)
     assert tree_widths("auto", 1, draft_like) == [1, 2, 3]
+
+
+def test_certify_without_the_control_says_no_control_was_run(tiny_bundle, capsys):
+    from tests.runtime.commands.test_cli import run_cli
+    code, out, err = run_cli(["certify", "--bundle", tiny_bundle, "--backend", "numpy_ref", "--max-context", "128",
+                              "--drafter", "draft_model", "--draws", "200", "--trees", "none", "--no-control",
+                              "--context", CONTEXT[0]], capsys)
+    last = out.strip().splitlines()[-1]
+    assert code == 0 and last.startswith("certify: PASS"), (code, out, err)
+    assert "no power control was run (--no-control)" in last and "the power control shows" not in last, last
+
+
+def test_the_pass_line_claims_power_only_when_the_control_ran():
+    from runtime.commands.certify import final_verdict
+    assert "the power control shows" in final_verdict(["PASS"], control_run=True)[0]
+    line, code = final_verdict(["PASS", "PASS"], control_run=False)
+    assert code == 0 and "no power control was run" in line and "the power control shows" not in line
+
+
+def test_certify_reports_every_draw_to_its_progress_callback(tiny_bundle):
+    session = Session.open(tiny_bundle, drafter="draft_model", max_context=128)
+    calls = []
+    certify(session, CONTEXT * 2, SamplingParams(temperature=1.0), draws=5, alpha=ALPHA,
+            on_draw=lambda *a: calls.append(a))
+    assert calls == [(k, 2, i, 5) for k in range(2) for i in range(1, 6)]
+
+
+def test_draw_progress_prints_a_line_to_stderr_once_per_interval_not_per_draw():
+    import io
+
+    from runtime.commands.certify import DrawProgress
+    now = [0.0]
+    out = io.StringIO()
+    show = DrawProgress("chain", every_s=10, clock=lambda: now[0], out=out)
+    for i in range(1, 101):  # 100 draws, 0.5 s each (a fake clock): 50 s
+        now[0] += 0.5
+        show(0, 6, i, 100)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "certify: chain: context 1/6, draw 20/100, 10 s" and len(lines) == 5, lines

@@ -120,3 +120,53 @@ def test_near_tie_names_where_a_greedy_output_differs_and_the_target_logit_gap_t
         s.close()
     assert got["position"] == 2 and got["plain_token"] == plain[2] and got["other_token"] == runner_up
     assert got["logit_gap"] == pytest.approx(float(logits[plain[2]] - logits[runner_up]), abs=1e-5) and got["logit_gap"] >= 0
+
+
+def _sealed_copy(tiny_bundle, tmp_path, edit):
+    """A copy of the tiny bundle changed by `edit(root, writer)`, its manifest re-sealed."""
+    from runtime.model.bundle import BundleWriter
+    root = str(tmp_path / "bundle")
+    shutil.copytree(tiny_bundle, root)
+    w = BundleWriter.extend(root)
+    edit(root, w)
+    w.write()
+    return root
+
+
+def test_a_drafter_that_cannot_run_here_becomes_a_row_saying_why_and_the_others_run(tiny_bundle, tmp_path, capsys):
+    # a DFlash-2 entry without its draft layers' spec: the session for it is refused (a BundleError), as a
+    # drafter without a graph for the backend, or reading a tap the backend lacks, would be
+    root = _sealed_copy(tiny_bundle, tmp_path, lambda r, w: w.add_drafter("dflash2", "dflash2", params={}))
+    code, out, err = run_cli(["bench", "--bundle", root, "--drafters", "none,ngram,dflash2", "--json"] + FAST, capsys)
+    rows = json.loads(out)
+    assert code == 0 and [r["label"] for r in rows] == ["none", "ngram", CONTROL, "dflash2"], err
+    assert "spec: missing" in rows[-1]["skipped"] and "tokens_per_s" not in rows[-1]
+    assert all(r["tokens_per_s"] > 0 for r in rows[:3])
+    code, out, err = run_cli(["bench", "--bundle", root, "--drafters", "ngram,dflash2"] + FAST, capsys)
+    assert code == 0 and any(l.startswith("dflash2") and "skipped: " in l for l in out.splitlines()), out
+
+
+def _without_action_tokens(root, writer):
+    path = os.path.join(root, "tokenizer.json")
+    text = open(path).read()
+    open(path, "w").write(text.replace("<|a", "<|z"))  # same ids, no action-bin token by name
+
+
+def test_the_action_domain_is_skipped_naming_why_on_a_model_without_action_tokens(tiny_bundle, tmp_path, capsys):
+    root = _sealed_copy(tiny_bundle, tmp_path, _without_action_tokens)
+    code, out, err = run_cli(["bench", "--bundle", root, "--drafters", "none", "--max-tokens", "4", "--rounds", "1"],
+                             capsys)
+    assert code == 0 and "bench: skipping the action domain: this model has no action tokens" in err, err
+    assert "prompts (planner,text)" in out, out
+    code, _, err = run_cli(["bench", "--bundle", root, "--domains", "action"] + FAST[2:], capsys)
+    assert code == 2 and "--domains: action: this model has no action tokens" in err, err
+
+
+def test_the_default_drafters_are_those_of_none_ngram_draft_model_the_bundle_has(tiny_bundle, tmp_path, capsys):
+    def drop_draft_model(root, w):
+        del w.manifest["drafters"]["draft_model"]
+        w.manifest["default_drafter"] = "none"
+
+    root = _sealed_copy(tiny_bundle, tmp_path, drop_draft_model)
+    code, out, err = run_cli(["bench", "--bundle", root, "--json"] + FAST, capsys)
+    assert code == 0 and [r["label"] for r in json.loads(out)] == ["none", "ngram", CONTROL], err

@@ -61,7 +61,7 @@ def test_a_bad_generate_flag_is_refused_like_its_yaml_key_naming_flag_value_and_
 
 @pytest.mark.parametrize("flags,message", [
     (["--domains", "foo"], "--domains: got 'foo', expected a comma-separated list of ['action', 'planner', 'text']"),
-    (["--drafters", "none,telepathy"], "--drafters: got 'none,telepathy', expected a comma-separated list of "),
+    (["--drafters", "none,telepathy"], "--drafters: got 'none,telepathy'; "),  # then what the bundle can run
     (["--repeats", "0"], "--rounds: got 0, expected >= 1"),
     (["--temperatures", "0,-1"], "--temperatures: got '0,-1', expected a comma-separated list of numbers"),
     (["--max-tokens", "0"], "--max-tokens: generation.max_tokens: got 0, expected >= 1"),
@@ -107,6 +107,26 @@ def test_every_option_says_what_it_does(command):
     missing = [a.option_strings[0] for a in subparser(command)._actions
                if a.option_strings and a.dest != "help" and not (a.help or "").strip()]
     assert not missing, f"edgespec {command}: options without help: {missing}"
+
+
+def test_the_top_level_help_lists_every_drafter_kind_train_drafter_trains(capsys):
+    from export.drafters.cli import KINDS
+    code, out, _ = run_cli(["--help"], capsys)
+    text = " ".join(out.split())  # argparse wraps the command list
+    assert code == 0 and f"train-drafter distil a drafter ({', '.join(KINDS)})" in text, text
+
+
+@pytest.mark.parametrize("command", ["plan", "profile"])
+def test_memory_subcommands_have_a_description_and_examples_that_parse(command):
+    memory = subparser("memory")
+    sub = next(a for a in memory._actions if a.dest == "memory_command").choices[command]
+    text = sub.format_help()
+    assert "examples:" in text and len(sub.description.split("examples:")[0].split()) > 20, text
+    examples = sub.description.split("examples:")[1].replace("\\\n", " ")  # continuation lines joined
+    lines = [l.strip() for l in examples.splitlines() if l.strip().startswith(f"edgespec memory {command}")]
+    assert lines, text
+    for line in lines:
+        build_parser().parse_args(shlex.split(line)[1:])
 
 
 def test_bench_has_one_drafter_option_and_the_singular_still_works():

@@ -38,3 +38,11 @@ def test_greedy_sessions_with_eagle_heads_equal_plain_decoding(eagle_bundle):
     want = _greedy(eagle_bundle, "none", "numpy_ref")
     for name in ("eagle", "eagle2", "eagle3"):
         assert _greedy(eagle_bundle, name, "numpy_ref") == want, name
+
+
+def test_the_stats_name_the_drafter_the_user_chose_not_its_kind(eagle_bundle):
+    s = Session.open(eagle_bundle, drafter="eagle2", backend="numpy_ref", max_context=256)  # kind eagle
+    try:
+        assert s.generate(PROMPT, GenerationParams(max_tokens=4)).stats.drafter == "eagle2"
+    finally:
+        s.close()

@@ -70,6 +70,25 @@ def test_unknown_drafter_is_a_request_error(tiny_bundle):
     assert err.value.field == "drafter"
 
 
+def test_a_drafter_the_bundle_lacks_lists_only_what_it_can_run_and_how_to_add_it(tiny_bundle, tmp_path):
+    import shutil
+
+    from runtime.model.bundle import BundleWriter
+
+    root = str(tmp_path / "bundle")
+    shutil.copytree(tiny_bundle, root)
+    w = BundleWriter.extend(root)
+    del w.manifest["drafters"]["draft_model"]  # a bundle of the target alone: n-gram and plain decoding
+    w.manifest["default_drafter"] = "none"
+    w.write()
+    with pytest.raises(RequestError) as err:
+        Session.open(root, drafter="eagle3")
+    msg = str(err.value)
+    assert "it can run ['ngram', 'none']" in msg and "draft_model" not in msg, msg
+    assert f"`edgespec bundle --target DIR --eagle3 DIR --out {root} --force`" in msg, msg
+    assert "edgespec train-drafter eagle3" in msg, msg
+
+
 def test_missing_bundle_is_a_bundle_error(tmp_path):
     with pytest.raises(BundleError, match="make bundles"):
         Session.open(str(tmp_path / "nope"))

@@ -51,3 +51,15 @@ def test_from_tokenizer_looks_bins_up_by_string():
 
     at = ActionTokenizer.from_tokenizer(Fake())
     assert at.token_ids[0] == 9 and at.token_ids[255] == 264
+
+
+def test_a_model_without_action_tokens_is_told_so_and_what_a_model_needs_for_them():
+    class NoBins:
+        def token_to_id(self, s):
+            return None
+
+    with pytest.raises(RequestError) as err:
+        ActionTokenizer.from_tokenizer(NoBins())
+    msg = str(err.value)
+    assert "this model has no action tokens" in msg and "<|a000|> .. <|a255|>" in msg, msg
+    assert "trained to emit them" in msg and "was it built" not in msg, msg
