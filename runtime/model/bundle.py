@@ -382,8 +382,7 @@ class BundleWriter:
         rel = None
         if fmt.chat_template:
             rel = "chat_template.jinja"
-            with open(self.path(rel), "w", encoding="utf-8") as f:
-                f.write(fmt.chat_template)
+            write_atomically(self.path(rel), fmt.chat_template)  # replaced, never rewritten in place (hard links)
         self.manifest["prompts"] = fmt.to_dict(rel)
 
     def set_generation(self, **defaults: Any) -> None:
@@ -432,7 +431,7 @@ def write_atomically(path: str, text: str) -> None:
     `cp -al` copy of the bundle) keeps the old content instead of being changed through the link."""
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(path) or ".")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
