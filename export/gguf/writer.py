@@ -269,8 +269,10 @@ def add_gguf_to_bundle(bundle_dir: str, quant: str = "f16", force: bool = False,
         write_gguf(spec, w, b.path(b.tokenizer), full, quant, name=f"{b.name}-{name}")
         if validate:
             validate_gguf(spec, w, full, quant)
-        backends = (writer.manifest["target"] if name == "target" else writer.manifest["drafters"][name])
-        _drop_entries_of_quant(backends.setdefault("backends", {}), quant)  # an older bundle's "gguf" of this quant
+        owner = writer.manifest["target"] if name == "target" else writer.manifest["drafters"][name]
+        backends = owner.setdefault("backends", {})
+        _drop_entries_of_quant(backends, quant)  # the entry this export replaces, whatever its key
+        _rekey_gguf_entries(backends)  # an older bundle's one "gguf" entry of another quant moves to its own key
         if name == "target":
             writer.add_target_backend(key, [rel], params)
         else:
@@ -289,6 +291,15 @@ def _drop_entries_of_quant(backends: dict, quant: str) -> None:
     for k in [k for k, e in backends.items() if (k == "gguf" or k.startswith("gguf."))
               and str((e.get("params") or {}).get("quant", "f16")) == quant]:
         del backends[k]
+
+
+def _rekey_gguf_entries(backends: dict) -> None:
+    """Put each GGUF entry of one manifest `backends` mapping under its quant's key ("gguf" = f16, "gguf.q8_0"):
+    a bundle from before quants sat side by side keeps any quant under "gguf", which the f16 export takes."""
+    for k in [k for k in backends if k == "gguf" or k.startswith("gguf.")]:
+        proper = bundle_mod.gguf_entry_key(str((backends[k].get("params") or {}).get("quant", "f16")))
+        if proper != k and proper not in backends:
+            backends[proper] = backends.pop(k)
 
 
 def _listed_gguf_files(manifest: Mapping) -> set:

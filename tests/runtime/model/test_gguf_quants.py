@@ -130,3 +130,31 @@ def test_an_onnx_precision_is_not_a_gguf_quant_and_a_gguf_quant_is_not_an_onnx_g
     assert r.returncode != 0 and "Traceback" not in r.stderr and "no GGUF quant is fp32" in r.stderr
     with pytest.raises(BundleError, match="a GGUF quant, not an ONNX graph"):
         bundle_io.load(root).onnx_target("q8_0")
+
+
+@needs_llama
+def test_a_bundle_from_before_side_by_side_quants_keeps_its_quant_when_f16_is_added(two_quants, tmp_path):
+    """Its one "gguf" entry held q8_0; the f16 export (whose key that is) moves it to "gguf.q8_0", untouched."""
+    import shutil
+
+    import yaml
+
+    root = str(tmp_path / "legacy")
+    shutil.copytree(two_quants[0], root)
+    with open(os.path.join(root, "bundle.yaml")) as f:
+        m = yaml.safe_load(f)
+    for owner in (m["target"], m["drafters"]["draft_model"]):
+        owner["backends"]["gguf"] = owner["backends"].pop("gguf.q8_0")
+    for rel in ("gguf/target.f16.gguf", "gguf/drafter.draft_model.f16.gguf"):
+        os.remove(os.path.join(root, rel))
+        del m["files"][rel]
+    with open(os.path.join(root, "bundle.yaml"), "w") as f:
+        yaml.safe_dump(m, f, sort_keys=False)
+    q8 = sha256_of(os.path.join(root, "gguf/target.q8_0.gguf"))
+    assert bundle_io.load(root).gguf_quant("auto") == "q8_0"
+    r = _export(root, "--precision", "f16")
+    assert r.returncode == 0, r.stderr
+    b = bundle_io.load(root)
+    assert bundle_io.gguf_entries(b.target.backends) == {"f16": "gguf", "q8_0": "gguf.q8_0"}
+    assert bundle_io.gguf_entries(b.drafters["draft_model"].backends) == {"f16": "gguf", "q8_0": "gguf.q8_0"}
+    assert sha256_of(b.path("gguf/target.q8_0.gguf")) == q8
