@@ -106,7 +106,9 @@ def check_output(out: str, inputs: Sequence[str], force: bool = False) -> None:
                           f"({foreign[:3]}{' ...' if len(foreign) > 3 else ''}); edgespec never deletes what it did "
                           "not write. Move them away, or choose a new directory")
     if not force:
-        raise BundleError(f"--out {out} already holds a bundle; pass --force to replace it")
+        raise BundleError(f"--out {out} already holds a bundle; pass --force to replace it (its ONNX / GGUF "
+                          f"exports go with it), or change it in place, keeping them: `edgespec bundle add-drafter "
+                          f"--bundle {out} --eagle3 DIR`, remove-drafter, set-prompts")
 
 
 def _publish(staged: str, out: str) -> None:

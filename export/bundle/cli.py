@@ -19,7 +19,7 @@ config.json), and edgespec's task templates (planner, action, text). A model wit
 edgespec's chat planner; the files below replace any part of it (README, "Your own model").
 
 To change a bundle later without rebuilding it (its ONNX / GGUF exports stay; only what the change touches is
-exported): `edgespec bundle add-drafter`, `remove-drafter`, `set-prompts` (see `edgespec bundle add-drafter -h`).
+exported): edgespec bundle add-drafter, remove-drafter and set-prompts (examples below; each has its -h).
 
 examples:
   edgespec bundle --target zoo/target --draft zoo/draft --medusa zoo/medusa --out build/bundles/zoo --backends numpy_ref,onnx
@@ -57,7 +57,9 @@ def register(sub) -> None:
     p.add_argument("--out", metavar="DIR",
                    help="bundle directory to write: new or empty (an existing bundle is replaced only with "
                         "--force; a directory holding anything else is refused); never an input or inside one")
-    p.add_argument("--force", action="store_true", help="replace the edgespec bundle already at --out")
+    p.add_argument("--force", action="store_true", help="replace the edgespec bundle already at --out, exports and "
+                                                         "all (to add a drafter or change prompts keeping them: "
+                                                         "add-drafter, set-prompts)")
     p.add_argument("--backends", default="numpy_ref", help="comma-separated: numpy_ref (always), onnx")
     p.add_argument("--default-drafter", help="drafter used when a request names none (default: draft_model if given)")
     _prompt_args(p.add_argument_group("prompt format (default: the model's chat template and edgespec's task "
@@ -144,7 +146,7 @@ def run(args) -> int:
     missing = [flag for flag, value in (("--target", args.target), ("--out", args.out)) if not value]
     if missing:
         raise ConfigError(f"{' and '.join(missing)} required to build a bundle (or edit one: "
-                          "`edgespec bundle add-drafter | remove-drafter | set-prompts --bundle DIR ...`)")
+                          "`edgespec bundle add-drafter --bundle DIR --eagle3 DIR`, remove-drafter, set-prompts)")
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not backends or any(b not in BACKENDS for b in backends):

@@ -168,7 +168,7 @@ def test_remove_drafter_removes_only_the_files_no_other_drafter_uses(onnx_bundle
     _no_leftovers(root)
 
 
-def test_removing_the_default_drafter_removes_its_graph_keeps_the_target_and_picks_ngram(onnx_bundle, tmp_path):
+def test_removing_the_default_drafter_removes_its_graph_keeps_the_target_and_picks_ngram_and_it_can_come_back(onnx_bundle, tmp_path):
     src, _, _ = onnx_bundle
     root = _copy(src, tmp_path)
     assert bundle_io.load(root).default_drafter == "draft_model"
@@ -180,6 +180,12 @@ def test_removing_the_default_drafter_removes_its_graph_keeps_the_target_and_pic
     b = bundle_io.load(root)
     assert b.default_drafter == "ngram" and any("default drafter is now ngram" in line for line in said)
     assert {rel: _files(root)[rel] for rel in TARGET_GRAPH} == {rel: before[rel] for rel in TARGET_GRAPH}
+    # and added back: its graph alone is exported, sharing the kept target graph's vocab matrices
+    add_drafters(root, draft=os.path.join(os.path.dirname(src), "draft"), validate=False, report=lambda line: None)
+    after = _files(root)
+    assert set(after) == set(before) and all(after[rel] == before[rel] for rel in before if rel not in removed)
+    assert bundle_io.load(root).drafters["draft_model"].backends["onnx"].files == tuple(removed[1:])
+    assert _greedy(root, "draft_model")[0] == _greedy(root, "none")[0]
 
 
 def test_a_file_the_manifest_does_not_list_is_never_removed(onnx_bundle, tmp_path):
