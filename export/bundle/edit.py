@@ -162,6 +162,9 @@ def _export_new_drafters(root: str, before, after, new: List[str], validate: boo
 
 def _drop_backend(root: str, kind: str, report: Report, why: str) -> None:
     """Remove the `kind` entries of the target and every drafter, and the files only they listed."""
+    b = bundle_io.load(root, verify_checksums=False)
+    if kind not in b.target.backends and not any(kind in d.backends for d in b.drafters.values()):
+        return
     w = BundleWriter.extend(root)
     m = w.manifest
     holders = [m["target"]] + list((m.get("drafters") or {}).values())
