@@ -49,8 +49,7 @@ def auto_fallback_reason(bundle: Bundle, precision: str, have_onnxruntime: bool)
         graph = "ONNX target graph" if key == "onnx" else f"{precision} ONNX target graph"
         return f"{bundle.root} has no {graph} (add it with {export}){held}"
     if not have_onnxruntime:
-        return (f"onnxruntime is not installed, so the bundle's ONNX graphs cannot run here "
-                "(`pip install onnxruntime`, or `edgespec[onnx]`)")
+        return "onnxruntime is not installed, so the bundle's ONNX graphs cannot run here (`pip install edgespec[onnx]`)"
     return None
 
 

@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from export.bundle.edit import add_drafters, remove_drafters, set_prompts
-from runtime.errors import BundleError, ConfigError, ExportError
+from runtime.errors import BundleError, ExportError
 from runtime.model import bundle as bundle_io
-from runtime.model.bundle import MANIFEST, sha256_of
+from runtime.model.bundle import BundleWriter, sha256_of
 from tests.support import REPO_ROOT
 from tests.support.eagle_tiny import eagle1_checkpoint, eagle3_checkpoint
 
@@ -103,13 +103,21 @@ def test_add_drafter_keeps_every_file_byte_identical_and_exports_only_the_new_he
     _no_leftovers(root)
 
 
-def test_a_drafter_reading_taps_the_target_graph_lacks_has_the_onnx_graphs_exported_again(onnx_bundle, tmp_path):
+def test_a_drafter_reading_taps_the_target_graph_lacks_has_the_onnx_graphs_exported_and_engines_dropped(onnx_bundle, tmp_path):
     src, _, eagle3 = onnx_bundle
     root = _copy(src, tmp_path)
+    w = BundleWriter.extend(root)  # an engine built from the old target graph (a stand-in: no GPU needed)
+    with open(w.path("tensorrt/target.engine"), "wb") as f:
+        f.write(b"engine bytes")
+    w.add_target_backend("tensorrt", ["tensorrt/target.engine"], {"precision": "fp32"})
+    w.write()
     before = _files(root)
     said = []
     add_drafters(root, eagle3=eagle3, validate=False, report=said.append)
     b = bundle_io.load(root)
+    assert "tensorrt" not in b.target.backends and not os.path.exists(os.path.join(root, "tensorrt"))
+    assert any("removed the tensorrt entries (tensorrt/target.engine)" in line and "rebuild them on the device" in line
+               for line in said)
     assert set(b.drafters["eagle3"].target_taps) <= set(b.target.backends["onnx"].params["taps"])
     assert _files(root)[TARGET_GRAPH[0]][0] != before[TARGET_GRAPH[0]][0]
     assert _files(root)["target/model.safetensors"] == before["target/model.safetensors"]

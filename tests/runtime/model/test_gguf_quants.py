@@ -7,6 +7,7 @@ One tiny bundle (tokenizer with merges, which llama.cpp needs) with f16 and q8_0
 llama.cpp's own quantiser, so those tests need llama-cpp-python."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -22,11 +23,7 @@ from runtime.model.bundle import sha256_of
 from tests.support import REPO_ROOT
 
 pytest.importorskip("gguf", reason="the `gguf` package (export extra) is not installed")
-try:
-    import llama_cpp  # noqa: F401
-    HAVE_LLAMA = True
-except ImportError:
-    HAVE_LLAMA = False
+HAVE_LLAMA = importlib.util.find_spec("llama_cpp") is not None
 needs_llama = pytest.mark.skipif(not HAVE_LLAMA, reason="llama-cpp-python is not installed (llama.cpp's quantiser "
                                                         "and backend)")
 pytestmark = pytest.mark.slow
