@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 EXPORT_TARGETS = ("onnx", "tensorrt", "gguf")
+GGUF_QUANTS = ("f16", "q8_0", "q4_K_M")  # runtime/model/bundle.py GGUF_QUANTS (imported lazily: a fast --help)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bundle", required=True, metavar="DIR",
                    help="bundle directory whose numpy_ref target weights are exported; the graphs are added "
                         "to it and bundle.yaml is rewritten with their checksums")
-    p.add_argument("--precision", choices=("fp32", "fp16", "int8", "int4"), default=None,
+    p.add_argument("--precision", choices=("fp32", "fp16", "int8", "int4", "f16", "q8_0", "q4_K_M"), default=None,
                    help="onnx: fp32 (default; matches the numpy reference within 1e-4) or fp16 (weights, activations "
                         "and KV cache in float16; norms/softmax in float32): the float graph, one per model (exporting "
                         "the other float precision replaces it and removes its files). int8 / int4: the target's "
@@ -24,7 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "symmetric; activations, KV and LM head float32), stored NEXT to the float graph; run it "
                         "with `--precision int8` (or backend.precision: int8): it then IS the target. "
                         "tensorrt: engines take the precision of the bundle's ONNX graphs (export those with "
-                        "--precision fp16 first for fp16 engines); a value here must match them")
+                        "--precision fp16 first for fp16 engines); a value here must match them. "
+                        "gguf: f16 (default), q8_0 or q4_K_M (or fp16 / int8 / int4 for them): each quant is added "
+                        "beside those already in the bundle; backend.precision / --precision picks one at run time")
     p.add_argument("--block-size", type=int, default=32, choices=(16, 32, 64, 128, 256),
                    help="onnx int8/int4: input channels per quantisation block, each with its own scale (default 32)")
     p.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4), default=None,
@@ -38,8 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="onnx: hidden states to export as extra outputs: final_norm, layer_in.I, layer_out.I. "
                         "Default: every tap the bundle's drafters read, plus final_norm")
     p.add_argument("--quant", default=None, metavar="Q",
-                   help="gguf only: f16 (default), q8_0 or q4_K_M (quantised by llama.cpp's own quantiser). A bundle "
-                        "holds one GGUF entry per model: exporting another quant replaces it and removes its files")
+                   help="gguf only: the same as --precision: f16 (default), q8_0 or q4_K_M (quantised by llama.cpp's "
+                        "own quantiser), added beside the quants the bundle already holds")
     p.add_argument("--force", action="store_true",
                    help="gguf only: replace an existing output file (refused otherwise)")
     p.add_argument("--verbose", action="store_true",
@@ -89,10 +92,14 @@ def run(args: argparse.Namespace) -> int:
 
         if args.taps is not None:
             raise ConfigError("--taps: ONNX only; llama.cpp gives the final-normed hidden state without an export option")
-        files = add_gguf_to_bundle(args.bundle, args.quant or "f16", force=args.force, validate=not args.no_validate)
+        files = add_gguf_to_bundle(args.bundle, gguf_quant(args.precision, args.quant), force=args.force,
+                                   validate=not args.no_validate)
     else:
         if args.quant is not None or args.force:
             raise ConfigError("--quant / --force: GGUF only (--to gguf); an ONNX export takes --precision")
+        if args.precision in GGUF_QUANTS:
+            raise ConfigError(f"--precision {args.precision}: a GGUF quant (--to gguf); an ONNX export takes fp32, "
+                              "fp16, int8 or int4")
         try:
             from export.onnx.bundle import add_onnx_to_bundle
         except ModuleNotFoundError as exc:  # the robot image has no torch / no export.onnx.graph
@@ -106,6 +113,21 @@ def run(args: argparse.Namespace) -> int:
     for f in files:
         print(f"wrote {args.bundle}/{f}")
     return 0
+
+
+def gguf_quant(precision, quant) -> str:
+    """The quant `--to gguf` writes: --precision (a quant, or fp16 / int8 / int4 for f16 / q8_0 / q4_K_M) or
+    its older spelling --quant; default f16."""
+    from runtime.errors import ConfigError
+    from runtime.model.bundle import GGUF_QUANT_OF
+
+    if precision is not None and precision not in GGUF_QUANT_OF:
+        raise ConfigError(f"--precision {precision}: no GGUF quant is {precision}; --to gguf takes one of "
+                          f"{list(GGUF_QUANTS)} (or fp16 / int8 / int4 for them)")
+    picked = GGUF_QUANT_OF[precision] if precision is not None else None
+    if picked is not None and quant is not None and quant != picked:
+        raise ConfigError(f"--precision {precision} and --quant {quant} disagree; give one of them")
+    return picked or quant or "f16"
 
 
 def run_tensorrt(args: argparse.Namespace) -> int:
@@ -138,6 +160,6 @@ def register(sub) -> None:
                                    "Jetson). gguf: llama.cpp files, f16 or quantised by llama.cpp's own quantiser. "
                                    "Examples: edgespec export --to onnx --bundle build/bundles/zoo; "
                                    "edgespec export --to tensorrt --bundle build/bundles/zoo --max-context 4096; "
-                                   "edgespec export --to gguf --bundle build/bundles/zoo --quant q8_0")
+                                   "edgespec export --to gguf --bundle build/bundles/zoo --precision q8_0 (beside the f16 one)")
     add_arguments(p)
     p.set_defaults(func=run)

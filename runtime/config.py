@@ -42,9 +42,10 @@ class BackendConfig:
     kind: str = limits("auto", choices=("numpy_ref", "onnx", "gguf", "tensorrt", "auto"))
     threads: int = limits(0, min=0, max=256, doc="0 = one per CPU core")
     providers: Tuple[str, ...] = ("CPUExecutionProvider",)
-    precision: str = limits("auto", choices=("auto", "fp32", "fp16", "int8", "int4"),
-                            doc="which ONNX target graph of the bundle runs: auto = its float graph (fp32 or fp16); "
-                                "int8 / int4 = the weight-only quantised graph, which then IS the target")
+    precision: str = limits("auto", choices=("auto", "fp32", "fp16", "int8", "int4", "f16", "q8_0", "q4_K_M"),
+                            doc="which target of the bundle runs. onnx: auto = its float graph (fp32 or fp16); "
+                                "int8 / int4 = the weight-only quantised graph, which then IS the target. gguf: "
+                                "f16 | q8_0 | q4_K_M (or fp16 | int8 | int4), auto = the most precise it holds")
     cuda_graphs: bool = limits(False, doc="tensorrt: replay decode/verify steps as CUDA graphs (past padded to "
                                           "64-row buckets); prefills run eagerly")
     # Batch-1 gemv on shared cores is fastest single-threaded (see runtime/serving/blas.py); 0 = numpy's default.

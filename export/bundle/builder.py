@@ -106,7 +106,9 @@ def check_output(out: str, inputs: Sequence[str], force: bool = False) -> None:
                           f"({foreign[:3]}{' ...' if len(foreign) > 3 else ''}); edgespec never deletes what it did "
                           "not write. Move them away, or choose a new directory")
     if not force:
-        raise BundleError(f"--out {out} already holds a bundle; pass --force to replace it")
+        raise BundleError(f"--out {out} already holds a bundle; pass --force to replace it (its ONNX / GGUF "
+                          f"exports go with it), or change it in place, keeping them: `edgespec bundle add-drafter "
+                          f"--bundle {out} --eagle3 DIR`, remove-drafter, set-prompts")
 
 
 def _publish(staged: str, out: str) -> None:
@@ -187,14 +189,7 @@ def _write_bundle(target_dir: str, out: str, draft_dir: Optional[str], name: str
         add_medusa_to_bundle(w, medusa, spec)
     chosen = default_drafter or "ngram"
     if draft_dir:
-        draft = read_hf_checkpoint(draft_dir)
-        if draft.spec.vocab_size != spec.vocab_size:
-            raise BundleError(f"{draft_dir}: vocab size {draft.spec.vocab_size} differs from the target's "
-                              f"{spec.vocab_size}; a draft model must share the target's tokenizer")
-        dbody, _ = split_mtp(draft.weights, draft.spec.num_layers)
-        write_safetensors(w.path("draft/model.safetensors"), dbody, bf16=[n for n in draft.bf16_names if n in dbody])
-        w.add_drafter("draft_model", "draft_model", files=["draft/model.safetensors"], spec=draft.spec,
-                      params={"num_tokens": 4})
+        add_draft_model(w, draft_dir, spec)
         chosen = default_drafter or "draft_model"
     for path in dflash_dirs:
         from export.drafters.dflash import add_dflash_drafter  # torch-free, but only bundles with DFlash need it
@@ -206,6 +201,23 @@ def _write_bundle(target_dir: str, out: str, draft_dir: Optional[str], name: str
     w.manifest["default_drafter"] = chosen
     w.set_generation(max_tokens=128, temperature=0.0)
     w.write()
+
+
+def add_draft_model(w: BundleWriter, draft_dir: str, spec, name: str = "draft_model") -> str:
+    """Write the HF checkpoint `draft_dir` into the bundle being written by `w` as drafter `name` (a separate
+    draft model sharing the target's tokenizer, whose spec is `spec`). Returns the name."""
+    if name in w.manifest["drafters"]:
+        raise BundleError(f"{draft_dir}: the bundle already has a drafter named {name!r}; remove it first "
+                          f"(`edgespec bundle remove-drafter --bundle {w.root} {name}`)")
+    draft = read_hf_checkpoint(draft_dir)
+    if draft.spec.vocab_size != spec.vocab_size:
+        raise BundleError(f"{draft_dir}: vocab size {draft.spec.vocab_size} differs from the target's "
+                          f"{spec.vocab_size}; a draft model must share the target's tokenizer")
+    dbody, _ = split_mtp(draft.weights, draft.spec.num_layers)
+    rel = "draft/model.safetensors" if name == "draft_model" else f"{name}/model.safetensors"
+    write_safetensors(w.path(rel), dbody, bf16=[n for n in draft.bf16_names if n in dbody])
+    w.add_drafter(name, "draft_model", files=[rel], spec=draft.spec, params={"num_tokens": 4})
+    return name
 
 
 _DTYPE_NAMES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F64": "fp64"}

@@ -14,6 +14,8 @@ User files (YAML), applied in this order, each replacing what it names:
   --action-template FILE    likewise"""
 from __future__ import annotations
 
+import copy
+
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -66,11 +68,14 @@ def defaults(target_dir: str, tokenizer) -> Tuple[Dict[str, Any], List[str]]:
                "(or --prompts FILE, or --chat-template FILE for the default chat planner)"]
 
 
-def bundle_prompts(target_dir: str, tokenizer, prompts_file: Optional[str] = None,
+def bundle_prompts(target_dir: Optional[str], tokenizer, prompts_file: Optional[str] = None,
                    chat_template_file: Optional[str] = None, planner_file: Optional[str] = None,
-                   action_file: Optional[str] = None) -> Tuple[PromptFormat, List[str]]:
-    """The checked PromptFormat for the bundle of `target_dir` (see the module doc) and notes for the user."""
-    d, notes = defaults(target_dir, tokenizer)
+                   action_file: Optional[str] = None,
+                   base: Optional[Dict[str, Any]] = None) -> Tuple[PromptFormat, List[str]]:
+    """The checked PromptFormat for the bundle of `target_dir` (see the module doc) and notes for the user.
+    `base`: a `prompts` section (chat template as its source) to lay the files over instead of the model's
+    own, e.g. the bundle's current one (`edgespec bundle set-prompts`)."""
+    d, notes = (copy.deepcopy(dict(base)), []) if base is not None else defaults(target_dir, tokenizer)
     if prompts_file:
         section = _yaml(prompts_file, "--prompts")
         if isinstance(section, dict) and set(section) == {"prompts"}:

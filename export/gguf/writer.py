@@ -15,8 +15,9 @@ Layout decisions, each the one llama.cpp's converter makes:
   - 2-D weights in f16, norms and biases in f32 (llama.cpp's "mostly f16"); a tied head is not written
     (llama.cpp reads token_embd as the output when `output.weight` is absent).
 
-Bundle entry: target.backends.gguf = {files: [gguf/target.<quant>.gguf], params: {quant, tokenizer}}; a
-draft model gets drafters.<name>.backends.gguf likewise. One GGUF entry per model, as for ONNX."""
+Bundle entries: target.backends.gguf = {files: [gguf/target.f16.gguf], params: {quant, precision, kv_type}},
+target.backends."gguf.q8_0" / "gguf.q4_K_M" the quantised files beside it (each export adds its quant and keeps
+the others; `backend.precision` picks one); a draft model gets drafters.<name>.backends.<same key> likewise."""
 from __future__ import annotations
 
 import importlib.util
@@ -240,19 +241,20 @@ def _safetensors_weights(b, files: Sequence[str]) -> Dict[str, np.ndarray]:
     return weights
 
 
-def add_gguf_to_bundle(bundle_dir: str, quant: str = "f16", force: bool = False,
-                       validate: bool = True) -> Tuple[str, ...]:
+def add_gguf_to_bundle(bundle_dir: str, quant: str = "f16", force: bool = False, validate: bool = True,
+                       only: Optional[Sequence[str]] = None) -> Tuple[str, ...]:
     """Write the bundle's target (from its numpy_ref safetensors) and every draft model as GGUF at `quant`
-    and register them as backend "gguf". An existing output file is refused unless `force`; the files of a
-    replaced GGUF entry (another quant) that the manifest listed are removed. Returns the new files."""
+    and register them as backend entry "gguf" (f16) / "gguf.<quant>", beside the other quants already there
+    (`backend.precision` picks one at run time). An existing output file is refused unless `force`. `only`:
+    export just these draft models (a drafter added to the bundle), not the target. Returns the new files."""
     check_quant(quant)
     b = bundle_mod.load(bundle_dir)
     weights = _safetensors_weights(b, b.target_files("numpy_ref").files)
     if not weights:
         raise BundleError(f"{bundle_dir}: the numpy_ref target lists no .safetensors files to export from")
-    models = [("target", b.target.spec, weights, f"gguf/target.{quant}.gguf")]
+    models = [] if only is not None else [("target", b.target.spec, weights, f"gguf/target.{quant}.gguf")]
     for name, d in b.drafters.items():
-        if d.kind == "draft_model" and d.spec is not None:
+        if d.kind == "draft_model" and d.spec is not None and (only is None or name in only):
             dw = _safetensors_weights(b, d.files)
             if dw:
                 models.append((name, d.spec, dw, f"gguf/drafter.{name}.{quant}.gguf"))
@@ -262,16 +264,21 @@ def add_gguf_to_bundle(bundle_dir: str, quant: str = "f16", force: bool = False,
     writer = bundle_mod.BundleWriter.extend(bundle_dir)
     before = _listed_gguf_files(writer.manifest)
     params = {"quant": quant, "precision": PRECISION_OF_QUANT[quant], "kv_type": "f16"}
+    key = bundle_mod.gguf_entry_key(quant)
     written = []
     for name, spec, w, rel in models:
         full = os.path.join(bundle_dir, rel)
         write_gguf(spec, w, b.path(b.tokenizer), full, quant, name=f"{b.name}-{name}")
         if validate:
             validate_gguf(spec, w, full, quant)
+        owner = writer.manifest["target"] if name == "target" else writer.manifest["drafters"][name]
+        backends = owner.setdefault("backends", {})
+        _drop_entries_of_quant(backends, quant)  # the entry this export replaces, whatever its key
+        _rekey_gguf_entries(backends)  # an older bundle's one "gguf" entry of another quant moves to its own key
         if name == "target":
-            writer.add_target_backend("gguf", [rel], params)
+            writer.add_target_backend(key, [rel], params)
         else:
-            writer.add_drafter_backend(name, "gguf", [rel], params)
+            writer.add_drafter_backend(name, key, [rel], params)
         written.append(rel)
     listed = set(writer.manifest.get("files") or {})
     for stale in sorted((before - _listed_gguf_files(writer.manifest)) & listed):
@@ -281,7 +288,24 @@ def add_gguf_to_bundle(bundle_dir: str, quant: str = "f16", force: bool = False,
     return tuple(written)
 
 
+def _drop_entries_of_quant(backends: dict, quant: str) -> None:
+    """Remove the GGUF entries of `quant` from one manifest `backends` mapping (re-exported under its key)."""
+    for k in [k for k, e in backends.items() if (k == "gguf" or k.startswith("gguf."))
+              and str((e.get("params") or {}).get("quant", "f16")) == quant]:
+        del backends[k]
+
+
+def _rekey_gguf_entries(backends: dict) -> None:
+    """Put each GGUF entry of one manifest `backends` mapping under its quant's key ("gguf" = f16, "gguf.q8_0"):
+    a bundle from before quants sat side by side keeps any quant under "gguf", which the f16 export takes."""
+    for k in [k for k in backends if k == "gguf" or k.startswith("gguf.")]:
+        proper = bundle_mod.gguf_entry_key(str((backends[k].get("params") or {}).get("quant", "f16")))
+        if proper != k and proper not in backends:
+            backends[proper] = backends.pop(k)
+
+
 def _listed_gguf_files(manifest: Mapping) -> set:
-    entries = [(manifest["target"].get("backends") or {}).get("gguf") or {}]
-    entries += [((d.get("backends") or {}).get("gguf") or {}) for d in (manifest.get("drafters") or {}).values()]
-    return {f for e in entries for f in e.get("files", ())}
+    """Every file a GGUF entry (any quant) of the target or a drafter names."""
+    entries = list((manifest["target"].get("backends") or {}).items())
+    entries += [kv for d in (manifest.get("drafters") or {}).values() for kv in (d.get("backends") or {}).items()]
+    return {f for k, e in entries if k == "gguf" or k.startswith("gguf.") for f in e.get("files", ())}

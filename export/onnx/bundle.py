@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import Mapping, Optional, Sequence, Tuple
+from dataclasses import replace
+from typing import Collection, Mapping, Optional, Sequence, Tuple
 
 from export.drafters import dflash_onnx, eagle_onnx
 from export.drafters.medusa_onnx import export_medusa_graphs
@@ -22,7 +23,8 @@ from runtime.model.bundle import ONNX_PRECISIONS, onnx_entry_key
 
 def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[Sequence[str]] = None,
                        validate: bool = True, block_size: int = 32,
-                       accuracy_level: Optional[int] = None, attention: str = "matmul") -> Tuple[str, ...]:
+                       accuracy_level: Optional[int] = None, attention: str = "matmul",
+                       only: Optional[Collection[str]] = None) -> Tuple[str, ...]:
     """Export the bundle's target (from its numpy_ref safetensors) to ONNX and register it as backend
     "onnx"; likewise every `draft_model` drafter that has a spec and safetensors, and every MTP module.
     Taps default to every tap the bundle's drafters read, plus final_norm. Returns the new files (relative to the bundle).
@@ -36,7 +38,11 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
 
     Every graph is written into a scratch directory inside the bundle and checked against the numpy
     reference there (validate=True); only when all pass do they move into onnx/ and bundle.yaml change.
-    A graph over TOLERANCE raises ExportError and leaves the bundle exactly as it was."""
+    A graph over TOLERANCE raises ExportError and leaves the bundle exactly as it was.
+
+    only: export just these drafters' graphs (drafters added to the bundle, `edgespec bundle add-drafter`) beside
+    the target graph already there, which stays as it is, byte for byte: they share its vocab matrices as the
+    full export's do. The float precision only, and the target graph must hold every tap they read."""
     b = bundle_mod.load(bundle_dir)
     if taps is None:
         taps = sorted({"final_norm"} | {t for d in b.drafters.values() for t in d.target_taps})
@@ -56,6 +62,10 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
     level = ACCURACY_LEVEL.get(precision, 0) if accuracy_level is None else accuracy_level
     rel = f"onnx/target.{precision}.onnx"
     graphs = [("target", rel, b.target.spec, weights, tuple(taps))]
+    if only is not None:
+        rel = _kept_target_graph(b, precision, only)
+        graphs = []
+        b = replace(b, drafters={n: d for n, d in b.drafters.items() if n in only})  # the drafters to export
     for name, d in b.drafters.items():
         if quantised or d.kind != "draft_model" or d.spec is None:
             continue  # MTP, Medusa, EAGLE and DFlash graphs: their own exporters, below
@@ -68,6 +78,11 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
     writer = bundle_mod.BundleWriter.extend(bundle_dir)  # reads (and checks) the manifest before any file changes
     staging = tempfile.mkdtemp(prefix=".onnx-export-", dir=bundle_dir)
     try:
+        if only is not None:  # the kept target graph beside the new graphs, whose vocab matrices point into its data
+            os.link(os.path.join(bundle_dir, rel), os.path.join(staging, os.path.basename(rel)))
+            # a copy, not a link: onnx's checker refuses external data with several hard links, which the data
+            # file has while the bundle is edited through a hard-linked copy (export/bundle/edit.py)
+            shutil.copyfile(os.path.join(bundle_dir, rel + ".data"), os.path.join(staging, os.path.basename(rel) + ".data"))
         for label, grel, spec, w, gtaps in graphs:
             staged = os.path.join(staging, os.path.basename(grel))
             if quantised:
@@ -103,6 +118,8 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
             extra += [(user, [grel, grel + ".data"], {"precision": "fp32", "graph": "dflash_block"}) for user in users]
         os.makedirs(os.path.join(bundle_dir, "onnx"), exist_ok=True)
         moved = {grel + suffix for _, grel, *_ in graphs for suffix in ("", ".data")} | {f for e in extra for f in e[1]}
+        if only is not None:
+            moved -= {rel, rel + ".data"}  # the target graph stays as it is
         for f in sorted(moved):
             os.replace(os.path.join(staging, os.path.basename(f)), os.path.join(bundle_dir, f))
     finally:
@@ -133,6 +150,26 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
         print(f"{bundle_dir}/{stale}: removed (replaced by the {precision} export)")
     writer.write()
     return tuple(written)
+
+
+def _kept_target_graph(b, precision: str, only: Collection[str]) -> str:
+    """The target graph (relative path) an `only` export shares: the bundle's float graph of `precision`,
+    holding every tap the drafters `only` read; else a BundleError saying what to export instead."""
+    entry = b.target.backends.get("onnx")
+    have = entry.params.get("precision", "fp32") if entry is not None else None
+    if have != precision or precision not in ("fp32", "fp16"):
+        raise BundleError(f"{b.root}: exporting drafters {sorted(only)} alone needs the target's {precision} ONNX "
+                          f"graph (the bundle's float graph is {have or 'absent'}); run `edgespec export --to onnx "
+                          f"--bundle {b.root}`")
+    rel = f"onnx/target.{precision}.onnx"
+    if tuple(entry.files[:2]) != (rel, rel + ".data"):
+        raise BundleError(f"{b.root}: target.backends.onnx lists {list(entry.files)}, expected [{rel}, {rel}.data]; "
+                          f"re-export with `edgespec export --to onnx --bundle {b.root}`")
+    missing = sorted({t for n in only for t in b.drafters[n].target_taps} - set(entry.params.get("taps") or ()))
+    if missing:
+        raise BundleError(f"{b.root}: the target graph has no taps {missing}, which drafters {sorted(only)} read; "
+                          f"re-export it with `edgespec export --to onnx --bundle {b.root}`")
+    return rel
 
 
 def _listed_backend_files(manifest: Mapping) -> set:

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Sequence
+import sys
+from typing import Callable, Optional, Sequence
 
-from runtime.model.bundle import Bundle, BackendFiles
+from runtime.model.bundle import ONNX_PRECISIONS, Bundle, BackendFiles, onnx_entry_key
 from runtime.config import BackendConfig
 from runtime.errors import BundleError
 from runtime.memory.kv import KVCache
@@ -14,15 +15,42 @@ from runtime.model.tensors import read_safetensors
 BACKENDS = ("numpy_ref", "onnx", "gguf", "tensorrt")
 
 
-def resolve_backend(kind: str, bundle: Bundle) -> str:
+def resolve_backend(kind: str, bundle: Bundle, precision: str = "auto",
+                    note: Optional[Callable[[str], None]] = None) -> str:
     """The backend `kind` names; "auto" is onnx where onnxruntime is installed and the bundle's target has
-    ONNX graphs (the fast path), else numpy_ref (the exact oracle, several times slower per verify).
+    the ONNX graph `precision` picks (the fast path), else numpy_ref (the exact oracle, several times slower
+    per verify), and then `note` (default: one line on stderr, once per bundle and reason) says why.
     gguf (llama.cpp) is chosen by name only: its quantised weights are a different target."""
     if kind != "auto":
         return kind
-    if "onnx" in bundle.target.backends and importlib.util.find_spec("onnxruntime") is not None:
+    reason = auto_fallback_reason(bundle, precision, importlib.util.find_spec("onnxruntime") is not None)
+    if reason is None:
         return "onnx"
+    line = f"backend auto: running numpy_ref (exact, several times slower than onnx) because {reason}"
+    if note is not None:
+        note(line)
+    elif (bundle.root, line) not in _SAID:
+        _SAID.add((bundle.root, line))
+        print(line, file=sys.stderr)
     return "numpy_ref"
+
+
+_SAID: set = set()  # (bundle, line) already printed: a bench opening ten sessions says it once
+
+
+def auto_fallback_reason(bundle: Bundle, precision: str, have_onnxruntime: bool) -> Optional[str]:
+    """Why `backend: auto` cannot run the bundle on ONNX Runtime, in words; None when it can."""
+    key = onnx_entry_key(precision) if precision in ONNX_PRECISIONS else "onnx"
+    others = sorted(k for k in bundle.target.backends if k not in ("numpy_ref", key))
+    export = f"`edgespec export --to onnx --bundle {bundle.root}" + (f" --precision {precision}`" if key != "onnx" else "`")
+    if key not in bundle.target.backends:
+        kinds = sorted({k.split(".")[0] for k in others})
+        held = f"; its {', '.join(others)} entries run only when named (--backend {kinds[0]})" if kinds else ""
+        graph = "ONNX target graph" if key == "onnx" else f"{precision} ONNX target graph"
+        return f"{bundle.root} has no {graph} (add it with {export}){held}"
+    if not have_onnxruntime:
+        return "onnxruntime is not installed, so the bundle's ONNX graphs cannot run here (`pip install edgespec[onnx]`)"
+    return None
 
 
 def load_weights(bundle: Bundle, files: Sequence[str]) -> dict:

@@ -16,6 +16,7 @@ from runtime.commands.bench_tally import paired_speedup
 from runtime.commands.common import edgespec_root, split_list
 from runtime.decode.engine import DecodeStats
 from runtime.errors import ConfigError
+from runtime.model.bundle import gguf_entries
 
 PEER_MODULE = "export.peers.registry"  # workstation package, imported by name as runtime.cli does: never a robot dependency
 
@@ -48,12 +49,19 @@ class PeerRequest:
 
 
 def bundle_ggufs(bundle) -> Tuple[Optional[str], Optional[str]]:
-    """(target GGUF, draft model GGUF) the bundle's manifest lists for backend gguf, or None each."""
+    """(target GGUF, draft model GGUF) the bundle's manifest lists for backend gguf, or None each: its most
+    precise quant, and the draft model's GGUF of that quant (else its most precise)."""
     def first(entry):
         files = [f for f in (entry.files if entry else ()) if f.endswith(".gguf")]
         return bundle.path(files[0]) if files else None
-    draft = next((d for d in bundle.drafters.values() if d.kind == "draft_model" and "gguf" in d.backends), None)
-    return first(bundle.target.backends.get("gguf")), first(draft.backends["gguf"] if draft else None)
+    quants = gguf_entries(bundle.target.backends)
+    target = bundle.target.backends[next(iter(quants.values()))] if quants else None
+    draft = next((d for d in bundle.drafters.values() if d.kind == "draft_model" and gguf_entries(d.backends)), None)
+    if draft is None:
+        return first(target), None
+    have = gguf_entries(draft.backends)
+    quant = target.params.get("quant", "f16") if target is not None else None
+    return first(target), first(draft.backends[have.get(quant, next(iter(have.values())))])
 
 
 def peer_request(args, bundle_name: str, bundle=None) -> Optional[PeerRequest]:

@@ -63,7 +63,9 @@ def add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
                         "the bundle's GGUF, after `edgespec export --to gguf`)")
     g.add_argument("--precision", help="onnx: the bundle's target graph to run, auto | fp32 | fp16 | int8 | int4 "
                                        "(default auto = its float graph; int8/int4 from `edgespec export --to onnx "
-                                       "--precision int8`, then the quantised graph IS the target)")
+                                       "--precision int8`, then the quantised graph IS the target); gguf: the "
+                                       "bundle's quant to run, f16 | q8_0 | q4_K_M (default auto = the most precise "
+                                       "it holds; added by `edgespec export --to gguf --precision q8_0`)")
     if drafter:
         g.add_argument("--drafter", help="none | ngram | draft_model | mtp | a drafter named in the bundle "
                                          "(default: the bundle's)")

@@ -66,7 +66,8 @@ def register(sub) -> None:
     plan.add_argument("--precision", choices=memory.PRECISIONS,
                       help="with --config: decoder-layer weight precision (default fp16; q8_0 / q4_K_M: llama.cpp's "
                            "quants); with --bundle --backend onnx: the graph (fp32/fp16 = the float one, int8 / int4 = "
-                           "entry onnx.int8 / onnx.int4), as backend.precision picks it")
+                           "entry onnx.int8 / onnx.int4); with --bundle --backend gguf: the quant (f16 / fp16, q8_0, q4_K_M; "
+                           "default the most precise it holds), as backend.precision picks it")
     plan.add_argument("--head-precision", choices=[*memory.PRECISIONS, "q6_K"],
                       help="with --config: embedding and LM head precision (default fp16, as int4 runtimes keep it; "
                            "q6_K with --precision q4_K_M, as llama.cpp does)")
@@ -83,7 +84,7 @@ def register(sub) -> None:
     prof.add_argument("--bundle", help="bundle directory (default: the zoo)")
     prof.add_argument("--backend", choices=["auto", "numpy_ref", "onnx", "gguf", "tensorrt"],
                       help="backend (default auto)")
-    prof.add_argument("--precision", choices=["auto", "fp32", "fp16", "int8", "int4"],
+    prof.add_argument("--precision", choices=["auto", "fp32", "fp16", "int8", "int4", "f16", "q8_0", "q4_K_M"],
                       help="onnx: the target graph (int8 / int4: entry onnx.int8 / onnx.int4); default auto")
     prof.add_argument("--drafter", help="drafter (default: the bundle's)")
     prof.add_argument("--context", type=int, default=1024, help="positions: the prompt fills them but --max-tokens")
@@ -127,9 +128,11 @@ def plan_inputs(args) -> Tuple[memory.PlanInputs, Dict[str, memory.PlanInputs]]:
         precision = args.precision or "auto"
         if args.backend == "onnx" and precision not in ("auto", "fp32", "fp16"):
             b.onnx_target(precision)  # a BundleError naming the export command when the graph is missing
+        elif args.backend == "gguf":
+            precision = b.gguf_quant(precision)  # a BundleError listing the quants it has, when it lacks this one
         elif args.backend != "onnx" and precision != "auto":
-            raise ConfigError(f"--precision {precision}: with --bundle it picks an ONNX graph (--backend onnx); a "
-                              f"{args.backend} entry has one precision, its own")
+            raise ConfigError(f"--precision {precision}: with --bundle it picks an ONNX graph (--backend onnx) or "
+                              f"a GGUF quant (--backend gguf); a {args.backend} entry has one precision, its own")
         choices = {d: memory.bundle_inputs(b, d, args.backend, args.num_draft + 1, precision)
                    for d in ["none", *b.drafters]}
         return memory.bundle_inputs(b, drafter, args.backend, args.num_draft + 1, precision), choices
@@ -236,7 +239,7 @@ def run_profile(args) -> int:
     kv_planned = plan.row("target KV") + plan.row("drafter KV")
     # what the other rows do not account for: the interpreter, libraries, the backend's own workspace
     overhead = end["VmHWM"] - (planned - plan.row("runtime overhead"))
-    key = memory.backend_entry_key(session.backend_name, cfg.backend.precision)
+    key = memory.backend_entry_key(session.backend_name, cfg.backend.precision, session.bundle)
     roof = memory.projected_decode(session.plan_inputs, args.context, device.bandwidth_gbs, tau=stats.tau,
                                    num_draft=cfg.drafter.num_tokens)
     record = {"bundle": cfg.bundle, "backend": session.backend_name, "drafter": session.drafter_kind,

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from runtime.model.bundle import onnx_entry_key
+from runtime.model.bundle import gguf_entries, onnx_entry_key
 from runtime.config import DeviceProfile, load_config
 from runtime.errors import BundleError, ConfigError
 from runtime.memory.kv import CacheShape
@@ -434,7 +434,7 @@ def bundle_kv_bytes(bundle, backend: str) -> int:
     """The K/V element size of a bundle on a backend: fp16 graphs and llama.cpp (f16 K/V whatever the weights)
     keep an fp16 cache, all else float32."""
     files = bundle.target.backends.get(backend)
-    if files is not None and backend == "gguf":
+    if files is not None and backend.split(".")[0] == "gguf":  # "gguf", "gguf.q8_0", ...
         return 2
     return 2 if files is not None and files.params.get("precision") == "fp16" else 4
 
@@ -479,10 +479,13 @@ def _engine_prefill_tokens(bundle, backend: str) -> Optional[int]:
     return int(profile["max_tokens"]) if profile else None
 
 
-def backend_entry_key(backend: str, precision: str = "auto") -> str:
-    """The target backend entry a Session opens: "onnx.int8" for the ONNX int8 graph, else the backend's name.
-    One entry is one backend at one precision (a GGUF entry holds one quant), so what is measured of it
-    (`edgespec memory profile --save`) is stored in its params."""
+def backend_entry_key(backend: str, precision: str = "auto", bundle=None) -> str:
+    """The target backend entry a Session opens: "onnx.int8" for the ONNX int8 graph, "gguf.q8_0" for the
+    q8_0 GGUF of `bundle` (auto: its most precise), else the backend's name. One entry is one backend at one
+    precision (a GGUF entry holds one quant), so what is measured of it (`edgespec memory profile --save`) is
+    stored in its params."""
+    if bundle is not None:
+        return bundle.target_entry_key(backend, precision)
     return onnx_entry_key(precision) if backend == "onnx" and precision != "auto" else backend
 
 
@@ -496,6 +499,18 @@ def bundle_overhead(files, backend: str) -> Tuple[int, str]:
     return RUNTIME_OVERHEAD.get(backend, RUNTIME_OVERHEAD["onnx"]), "interpreter, libraries (default estimate)"
 
 
+def _drafter_key(entry, backend: str, t_files) -> Optional[str]:
+    """The draft model's entry a Session opens beside the target (runtime/serving/session.drafter_entry_key):
+    gguf: the target's quant, else the draft's most precise GGUF."""
+    if backend == "numpy_ref":
+        return None
+    if backend == "gguf":
+        have = gguf_entries(entry.backends)
+        quant = t_files.params.get("quant", "f16") if t_files is not None else None
+        return have.get(quant, next(iter(have.values()), None))
+    return backend
+
+
 def bundle_inputs(bundle, drafter: str, backend: str, tree_tokens: int, precision: str = "auto") -> PlanInputs:
     """PlanInputs of a bundle as a Session loads it: numpy_ref holds every weight as float32; an ONNX graph
     (fp32, fp16, or `precision` int8 / int4: entry onnx.int8 / onnx.int4, MatMulNBits with a float32 head) and
@@ -504,7 +519,7 @@ def bundle_inputs(bundle, drafter: str, backend: str, tree_tokens: int, precisio
     ONNX target, keeps its own float32 copy of the target's embedding."""
     spec = bundle.target.spec
     target = dims_from_spec(spec)
-    key = backend_entry_key(backend, precision)
+    key = backend_entry_key(backend, precision, bundle)  # gguf: the chosen quant's entry, its file's size below
     kv = bundle_kv_bytes(bundle, key)
     prec = "fp16" if kv == 2 else "fp32"
     head_prec = prec
@@ -537,7 +552,8 @@ def bundle_inputs(bundle, drafter: str, backend: str, tree_tokens: int, precisio
             extra += 4 * spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
     elif entry is not None and entry.spec is not None:
         draft = dims_from_spec(entry.spec)
-        d_files = entry.backends.get(backend) if backend != "numpy_ref" else None
+        d_key = _drafter_key(entry, backend, t_files)
+        d_files = entry.backends.get(d_key) if d_key is not None else None
         d_prec = d_files.params.get("precision", "fp32") if d_files is not None else "fp32"
         if d_files is not None and backend == "gguf":
             d_prec = {"f16": "fp16"}.get(d_files.params.get("quant", "f16"), d_files.params.get("quant"))
@@ -549,7 +565,7 @@ def bundle_inputs(bundle, drafter: str, backend: str, tree_tokens: int, precisio
             extra += 4 * spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
     overhead, overhead_note = bundle_overhead(t_files, backend)
     onnx = backend != "numpy_ref"
-    d_graph = entry is not None and entry.spec is not None and backend in entry.backends
+    d_graph = entry is not None and entry.spec is not None and _drafter_key(entry, backend, t_files) in entry.backends
     return PlanInputs(target=target, drafter=draft, precision=prec, head_precision=head_prec, drafter_precision=d_prec,
                       kv_bytes=kv, drafter_extra_bytes=extra, tree_tokens=tree_tokens,
                       prefill_tokens=_engine_prefill_tokens(bundle, backend),

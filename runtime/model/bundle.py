@@ -36,6 +36,26 @@ ONNX_PRECISIONS = ("fp32", "fp16", "int8", "int4")
 def onnx_entry_key(precision: str) -> str:
     """The target backend entry holding the ONNX graph of `precision`: "onnx" (fp32/fp16) or "onnx.int8"."""
     return "onnx" if precision in ("fp32", "fp16") else f"onnx.{precision}"
+
+
+# GGUF quants, most precise first (`backend.precision: auto` takes the first one the bundle holds). Several sit
+# side by side, as the ONNX graphs do: "gguf" holds f16, "gguf.q8_0" / "gguf.q4_K_M" the quantised files.
+GGUF_QUANTS = ("f16", "q8_0", "q4_K_M")
+# backend.precision -> the GGUF quant it picks: a quant by name, or the weight class it belongs to
+GGUF_QUANT_OF = {"fp16": "f16", "int8": "q8_0", "int4": "q4_K_M", **{q: q for q in GGUF_QUANTS}}
+
+
+def gguf_entry_key(quant: str) -> str:
+    """The backend entry holding the GGUF of `quant`: "gguf" (f16) or "gguf.q8_0"."""
+    return "gguf" if quant == "f16" else f"gguf.{quant}"
+
+
+def gguf_entries(backends: Dict[str, "BackendFiles"]) -> Dict[str, str]:
+    """{quant: entry key} of the GGUF entries among `backends`, by each entry's params.quant (a bundle from
+    before quants sat side by side has one "gguf" entry of any quant), most precise first."""
+    found = {str(files.params.get("quant", "f16")): key for key, files in backends.items()
+             if key == "gguf" or key.startswith("gguf.")}
+    return dict(sorted(found.items(), key=lambda kv: GGUF_QUANTS.index(kv[0]) if kv[0] in GGUF_QUANTS else 99))
 # Keys a manifest may have, per level: anything else is a typo or a newer format, refused by name.
 MANIFEST_KEYS = ("format_version", "name", "target", "drafters", "default_drafter", "tokenizer", "generation", "prompts",
                  "files")
@@ -149,6 +169,9 @@ class Bundle:
         naming the export command when the bundle does not hold it."""
         if precision == "auto":
             return self.target_files("onnx")
+        if precision not in ONNX_PRECISIONS:
+            raise BundleError(f"precision {precision!r} (backend.precision / --precision): a GGUF quant, not an ONNX graph; run it with --backend gguf, "
+                              f"or pick an ONNX precision ({', '.join(ONNX_PRECISIONS)})")
         key = onnx_entry_key(precision)
         files = self.target.backends.get(key)
         if files is None or files.params.get("precision", "fp32") != precision:
@@ -158,6 +181,34 @@ class Bundle:
             raise BundleError(f"{self.root}: the target has no {precision} ONNX graph (it has {have or 'none'}); "
                               f"export it with `{export}`")
         return files
+
+    def gguf_quant(self, precision: str = "auto") -> str:
+        """The GGUF quant `precision` picks (auto: the most precise the bundle holds); a BundleError listing the
+        quants the bundle has and the export command that adds the missing one."""
+        have = gguf_entries(self.target.backends)
+        if not have:
+            raise BundleError(f"{self.root}: the target has no GGUF file; export one with `edgespec export --to gguf "
+                              f"--bundle {self.root}` (f16; --precision q8_0 or q4_K_M for llama.cpp's quants)")
+        if precision == "auto":
+            return next(iter(have))
+        quant = GGUF_QUANT_OF.get(precision)
+        if quant is None:
+            raise BundleError(f"precision {precision!r} (backend.precision / --precision): no GGUF quant; the gguf backend takes one of "
+                              f"{list(GGUF_QUANTS)} (or fp16 / int8 / int4 for them); this bundle has {list(have)}")
+        if quant not in have:
+            export = f"edgespec export --to gguf --precision {quant} --bundle {self.root}"
+            raise BundleError(f"{self.root}: the target has no {quant} GGUF (it has {', '.join(have)}); "
+                              f"export it with `{export}`")
+        return quant
+
+    def target_entry_key(self, backend: str, precision: str = "auto") -> str:
+        """The target backend entry a Session on `backend` at `precision` opens: "onnx.int8" for the ONNX int8
+        graph, "gguf.q8_0" for the q8_0 GGUF, else the backend's name."""
+        if backend == "onnx" and precision != "auto":
+            return onnx_entry_key(precision)
+        if backend == "gguf":
+            return gguf_entries(self.target.backends)[self.gguf_quant(precision)]
+        return backend
 
 
 def sha256_of(path: str) -> str:
@@ -368,8 +419,7 @@ class BundleWriter:
         rel = None
         if fmt.chat_template:
             rel = "chat_template.jinja"
-            with open(self.path(rel), "w", encoding="utf-8") as f:
-                f.write(fmt.chat_template)
+            write_atomically(self.path(rel), fmt.chat_template)  # replaced, never rewritten in place (hard links)
         self.manifest["prompts"] = fmt.to_dict(rel)
 
     def set_generation(self, **defaults: Any) -> None:
@@ -442,7 +492,7 @@ def write_atomically(path: str, text: str) -> None:
     `cp -al` copy of the bundle) keeps the old content instead of being changed through the link."""
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(path) or ".")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

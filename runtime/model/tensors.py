@@ -6,7 +6,9 @@ written back as BF16 when asked (`bf16=`), so a bf16 checkpoint keeps its size i
 from __future__ import annotations
 
 import json
+import os
 import struct
+import tempfile
 from typing import Dict, Mapping, Optional, Sequence
 
 import numpy as np
@@ -97,8 +99,18 @@ def write_safetensors(path: str, tensors: Mapping[str, np.ndarray], metadata: Op
         arrays.append(arr)
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for arr in arrays:
-            f.write(arr.tobytes())
+    # Written beside `path` and renamed over it: a reader never sees half a file, and a hard link to an older
+    # file at `path` (a bundle edited through a hard-linked copy, export/bundle/edit.py) keeps the old bytes.
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(path) or ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for arr in arrays:
+                f.write(arr.tobytes())
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would differ from the bundle's other files
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -105,6 +105,17 @@ class ActionResult:
     stats: DecodeStats
 
 
+def drafter_entry_key(entry, backend: BackendConfig) -> Optional[str]:
+    """The draft model's backend entry beside the target: gguf: the GGUF of the target's quant, else its most
+    precise one (a draft's quant changes the acceptance rate, never the output); None on numpy_ref."""
+    if backend.kind == "numpy_ref":
+        return None
+    if backend.kind == "gguf":
+        have = bundle_io.gguf_entries(entry.backends)
+        return have.get(backend.precision, next(iter(have.values()), None))
+    return backend.kind
+
+
 def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max_positions: int,
                   num_tokens: int, branching: int, target_weights=None) -> Optional[Drafter]:
     if name == "none":
@@ -117,9 +128,10 @@ def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max
     if entry.kind in ("eagle", "eagle3"):
         return build_eagle(name, entry, bundle, arena, max_positions, num_tokens, branching, target_weights, backend)
     if entry.kind == "draft_model":
-        files = entry.backends.get(backend.kind) if backend.kind != "numpy_ref" else None
+        key = drafter_entry_key(entry, backend)
+        files = entry.backends.get(key) if key is not None else None
         files = files or BackendFiles(files=entry.files)
-        if backend.kind != "numpy_ref" and backend.kind not in entry.backends:
+        if backend.kind != "numpy_ref" and key not in entry.backends:
             backend = replace(backend, kind="numpy_ref")  # no graph for this backend: run the draft in numpy
         cache = arena.allocate("draft", cache_shape(entry.spec), max_positions)
         model = open_model(bundle, entry.spec, files, backend, cache, label=f"drafter {name}")
@@ -282,7 +294,9 @@ class Session:
             set_blas_threads(config.backend.blas_threads)
         self.bundle = bundle_io.load(config.bundle)
         b = self.bundle
-        backend = replace(config.backend, kind=resolve_backend(config.backend.kind, b))
+        backend = replace(config.backend, kind=resolve_backend(config.backend.kind, b, config.backend.precision))
+        if backend.kind == "gguf":  # the quant by name from here on: the draft model's GGUF and the plan read it
+            backend = replace(backend, precision=b.gguf_quant(backend.precision))
         self.tokenizer = Tokenizer(b.path(b.tokenizer))
         spec = b.target.spec
         name = config.drafter.kind if config.drafter.kind != "auto" else b.default_drafter
@@ -307,7 +321,8 @@ class Session:
         # A request longer than this is refused by the budget (not by max_context) before it runs.
         self.budget_positions = positions if self.budget_bytes > 0 and positions < config.memory.max_context else None
         # backend.precision picks the ONNX target graph (the float one, or a quantised one that then IS the target)
-        files = b.onnx_target(backend.precision) if backend.kind == "onnx" else b.target_files(backend.kind)
+        files = (b.onnx_target(backend.precision) if backend.kind == "onnx" else
+                 b.target_files(b.target_entry_key(backend.kind, backend.precision)))
         # (numpy drafters sharing an fp16 arena read it upcast; only the drafter's precision is affected, not exactness)
         kv_dtype = np.float16 if files.params.get("precision") == "fp16" else np.float32
         # + drafted rows: a drafter's cache holds the context plus the branch it is drafting

@@ -109,7 +109,7 @@ BAD = [
     ("above max", "drafter:\n  branching: 17\n", "drafter.branching", "17", "expected <= 16"),
     ("above max (float)", "generation:\n  top_p: 1.5\n", "generation.top_p", "1.5", "expected <= 1.0"),
     ("bad choice", "backend:\n  kind: cuda\n", "backend.kind", "'cuda'", "expected one of ['numpy_ref', 'onnx'"),
-    ("bad precision", "backend:\n  precision: int3\n", "backend.precision", "'int3'", "expected one of ['auto', 'fp32', 'fp16', 'int8', 'int4']"),
+    ("bad precision", "backend:\n  precision: int3\n", "backend.precision", "'int3'", "expected one of ['auto', 'fp32', 'fp16', 'int8', 'int4', 'f16', 'q8_0', 'q4_K_M']"),
     ("NaN", "generation:\n  temperature: .nan\n", "generation.temperature", "nan", "expected a finite number"),
     ("NaN in a range", "memory:\n  budget_mb: .NaN\n", "memory.budget_mb", "nan", "expected a finite number"),
 ]

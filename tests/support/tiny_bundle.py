@@ -16,11 +16,13 @@ TEXT = ["navigate to the kitchen and pick up the red cup", "place the cup on the
         "the robot inspects the shelf and waits", "hand the bottle to alice"] * 20
 
 
-def make_tokenizer(path: str) -> int:
+def make_tokenizer(path: str, vocab_size: int = 400) -> int:
+    """A byte-level BPE tokenizer; vocab_size 400 is below the alphabet and special tokens (no merges: enough
+    for the numpy and ONNX backends), 700 gives it merges, which llama.cpp needs to load a GGUF."""
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(TEXT, trainer)
     tok.save(path)
@@ -42,10 +44,10 @@ def save_random_llama(path: str, vocab: int, layers: int, hidden: int, seed: int
     os.system(f"cp {tokenizer} {path}/tokenizer.json")
 
 
-def make_tiny_bundle(root: str) -> str:
+def make_tiny_bundle(root: str, tokenizer_vocab: int = 400) -> str:
     os.makedirs(root, exist_ok=True)
     tok = os.path.join(root, "tokenizer.json")
-    vocab = make_tokenizer(tok)
+    vocab = make_tokenizer(tok, tokenizer_vocab)
     save_random_llama(os.path.join(root, "target"), vocab, 3, 64, 0, tok)
     save_random_llama(os.path.join(root, "draft"), vocab, 1, 32, 1, tok)
     return build_bundle(os.path.join(root, "target"), os.path.join(root, "bundle"), os.path.join(root, "draft"),

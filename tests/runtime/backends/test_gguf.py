@@ -36,7 +36,7 @@ def _linked_copy(src: str, dst: str) -> str:
 
 @pytest.fixture(scope="module")
 def gguf_bundles(tmp_path_factory):
-    """The zoo bundle with GGUF entries: f16 and q8_0 (one bundle each: one GGUF entry per model)."""
+    """The zoo bundle with GGUF entries: f16 and q8_0 (one bundle each, so each test runs one quant alone)."""
     from export.gguf.writer import add_gguf_to_bundle
 
     out = {}
@@ -98,9 +98,10 @@ def test_exported_gguf_is_registered_in_the_bundle_with_its_quant(gguf_bundles):
     from runtime.model import bundle
     for quant, root in gguf_bundles.items():
         b = bundle.load(root)
-        assert b.target.backends["gguf"].files == (f"gguf/target.{quant}.gguf",)
-        assert b.target.backends["gguf"].params["quant"] == quant
-        assert b.drafters["draft_model"].backends["gguf"].files == (f"gguf/drafter.draft_model.{quant}.gguf",)
+        key = bundle.gguf_entry_key(quant)  # "gguf" (f16) or "gguf.q8_0": quants sit side by side
+        assert b.target.backends[key].files == (f"gguf/target.{quant}.gguf",)
+        assert b.target.backends[key].params["quant"] == quant
+        assert b.drafters["draft_model"].backends[key].files == (f"gguf/drafter.draft_model.{quant}.gguf",)
 
 
 # -- llama.cpp ---------------------------------------------------------------------------------------
