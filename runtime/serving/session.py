@@ -37,6 +37,7 @@ from runtime.memory.kv import KVArena
 from runtime.text.prompts import (ACTION_CHUNK, ZOO_PROMPTS, action_prompt, parse_plan, plan_objects, planner_prompt,
                              zoo_tokens_in)
 from runtime.sampling import SamplingParams
+from runtime.serving.tuning import choose_shape
 from runtime.text.templates import PromptFormat
 from runtime.text.tokenizer import StreamDecoder, Tokenizer
 from runtime.verify import verify_sampled
@@ -289,12 +290,21 @@ class Session:
         if name not in DRAFTER_CHOICES and name not in b.drafters:
             raise RequestError("drafter", f"unknown drafter {name!r}; choose one of "
                                           f"{sorted(set(DRAFTER_CHOICES) | set(b.drafters))}")
+        # Fixed or adaptive draft shapes (runtime/serving/tuning.py); a tuned shape may draft deeper than num_tokens.
+        try:
+            precision_key = (b.onnx_target(backend.precision) if backend.kind == "onnx" else
+                             b.target_files(backend.kind)).params.get("precision", backend.precision)
+        except BundleError:  # the backend's own files are checked (and refused, by name) further down
+            precision_key = backend.precision
+        self.shape = choose_shape(config.drafter.shape, config.bundle, backend.kind, str(precision_key), name,
+                                  config.drafter.num_tokens)
+        num_tokens = self.shape.num_tokens
         # The plan (runtime/memory/plan.py) sizes the arena; an over-budget session is refused before any allocation.
         shapes = memory.bundle_cache_shapes(b, name)
-        tree_tokens = config.drafter.num_tokens * config.drafter.branching + 1
+        tree_tokens = num_tokens * config.drafter.branching + 1
         entry = b.drafters.get(name)
         if entry is not None and entry.kind == "medusa":  # a static tree: its size is the bundle's, not the flags'
-            depth = min(config.drafter.num_tokens, int(entry.params.get("num_heads", config.drafter.num_tokens)))
+            depth = min(num_tokens, int(entry.params.get("num_heads", num_tokens)))
             tree_tokens = len(resolve_tree(entry.params.get("tree", "chain"), depth)) + 1
         self.plan_inputs = memory.bundle_inputs(b, name, backend.kind, tree_tokens, backend.precision)
         positions = config.memory.max_context
@@ -317,7 +327,7 @@ class Session:
         # The hidden states the drafter reads: a backend that cannot give one refuses here, at session creation.
         taps = b.drafters[name].target_taps if name in b.drafters else ()
         self.target = open_model(b, spec, files, backend, cache, taps=taps)
-        self.drafter = build_drafter(name, b, backend, self.arena, positions, config.drafter.num_tokens,
+        self.drafter = build_drafter(name, b, backend, self.arena, positions, num_tokens,
                                      config.drafter.branching, getattr(self.target, "w", None))
         check_taps(self.target, self.drafter, backend.kind, config.bundle)
         self.drafter_kind = name
@@ -327,7 +337,8 @@ class Session:
         verifier = (lossy_verifier(config.decoding.typical_epsilon, config.decoding.typical_delta)
                     if config.decoding.lossy_typical_acceptance else verify_sampled)
         self.engine = Engine(self.target, self.drafter, eos_ids(b, self.prompts, self.tokenizer),
-                             sampled_verifier=verifier, prefix_cache=config.memory.prefix_cache)
+                             sampled_verifier=verifier, prefix_cache=config.memory.prefix_cache,
+                             policy=self.shape.policy, shape=self.shape.label)
         self._actions: Optional[ActionTokenizer] = None
         self._grammar_tokenizer: Optional[GrammarTokenizer] = None
         self._grammars: Dict[tuple, Grammar] = {}  # compiled grammars by (kind, text), the most recent few
