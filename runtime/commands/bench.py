@@ -162,6 +162,7 @@ def row(label: str, drafter: str, temp: float, t: Tally, base: Tally, session, b
     return {
         "drafter": drafter, "label": label, "control": label == CONTROL, "temperature": temp,
         "bundle": bundle_name, "standin": "standin" in bundle_name.lower(), "backend": session.backend_name,
+        "shape": session.engine.shape,  # fixed, adaptive or adaptive (tuned): how the row drafted
         "rounds": len(t.round_tps()), "tokens": sum(t.round_tokens),
         "tokens_per_s": statistics.median(t.round_tps()), **paired_speedup(t.round_tps(), base.round_tps()),
         "tau": t.tau_sum / cyc if t.cycles else 1.0,
@@ -179,6 +180,23 @@ def row(label: str, drafter: str, temp: float, t: Tally, base: Tally, session, b
     }
 
 
+def shape_suffixes(args) -> List[str]:
+    """The draft shapes a --drafters name may ask for after '@': fixed, adaptive, or k1 .. k32 (a fixed chain of
+    that depth), so one run compares a sweep of fixed shapes with the adaptive rule."""
+    return ["fixed", "adaptive"] + [f"k{n}" for n in range(1, 33)]
+
+
+def with_shape(cfg, label: str, kind: str):
+    """The config of one bench row: `draft_model@k3` = the draft model drafting a fixed chain of 3."""
+    drafter = replace(cfg.drafter, kind=kind)
+    shape = label.split("@")[1] if "@" in label else None
+    if shape in ("fixed", "adaptive"):
+        drafter = replace(drafter, shape=shape)
+    elif shape:
+        drafter = replace(drafter, shape="fixed", num_tokens=int(shape[1:]))
+    return replace(cfg, drafter=drafter)
+
+
 def run(args) -> int:
     cfg = runtime_config(args)
     if args.rounds < 1:
@@ -194,15 +212,16 @@ def run(args) -> int:
         for d in domains:
             if d not in own:
                 fmt.template(d)  # a BundleError saying what to add when the bundle has no template for it
-    names = split_list("--drafters", args.drafters, set(DRAFTER_CHOICES) | set(bundle.drafters))
+    known = set(DRAFTER_CHOICES) | set(bundle.drafters)
+    names = split_list("--drafters", args.drafters, known | {f"{k}@{s}" for k in known for s in shape_suffixes(args)})
     names = ["none"] + [n for n in dict.fromkeys(names) if n != "none"]
-    configs = {n: n for n in names}
+    configs = {n: n.split("@")[0] for n in names}
     configs[CONTROL] = "none"
     sets = {**bench_prompts(fmt, [d for d in domains if d not in own]), **own}
     prompts = [(d, p) for d in domains for p in sets[d]]  # (domain, text)
     wanted_peers = peer_request(args, bundle.name, bundle)
     bandwidth = measure_bandwidth(128 << 20, 3)  # the bound this run's tok/s is read against, measured in the run
-    sessions = {label: Session(replace(cfg, drafter=replace(cfg.drafter, kind=kind))) for label, kind in configs.items()}
+    sessions = {label: Session(with_shape(cfg, label, kind)) for label, kind in configs.items()}
     peers: Dict[str, object] = {}
     try:
         peers, unavailable = open_peers(wanted_peers, sessions["none"].engine.eos, cfg.backend.threads)

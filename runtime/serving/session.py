@@ -37,7 +37,7 @@ from runtime.memory.kv import KVArena
 from runtime.text.prompts import (ACTION_CHUNK, ZOO_PROMPTS, action_prompt, parse_plan, plan_objects, planner_prompt,
                              zoo_tokens_in)
 from runtime.sampling import SamplingParams
-from runtime.serving.tuning import choose_shape
+from runtime.serving.tuning import choose_shape, template_of, template_prefixes
 from runtime.text.templates import PromptFormat
 from runtime.text.tokenizer import StreamDecoder, Tokenizer
 from runtime.verify import verify_sampled
@@ -298,6 +298,7 @@ class Session:
             precision_key = backend.precision
         self.shape = choose_shape(config.drafter.shape, config.bundle, backend.kind, str(precision_key), name,
                                   config.drafter.num_tokens)
+        self.shape_precision = str(precision_key)  # what a tune of this session is keyed by, with backend and machine
         num_tokens = self.shape.num_tokens
         # The plan (runtime/memory/plan.py) sizes the arena; an over-budget session is refused before any allocation.
         shapes = memory.bundle_cache_shapes(b, name)
@@ -340,6 +341,7 @@ class Session:
                              sampled_verifier=verifier, prefix_cache=config.memory.prefix_cache,
                              policy=self.shape.policy, shape=self.shape.label)
         self._actions: Optional[ActionTokenizer] = None
+        self._prefixes: Optional[list] = None  # the prompt templates' fixed starts (template_of), when first needed
         self._grammar_tokenizer: Optional[GrammarTokenizer] = None
         self._grammars: Dict[tuple, Grammar] = {}  # compiled grammars by (kind, text), the most recent few
 
@@ -359,6 +361,15 @@ class Session:
         if prefix_cache is not None:
             cfg = replace(cfg, memory=replace(cfg.memory, prefix_cache=prefix_cache))
         return cls(cfg)
+
+    def template_of(self, prompt_ids: Sequence[int]) -> Optional[str]:
+        """Which of the bundle's prompt templates a prompt was made with (planner, action, text), by its fixed
+        start: the adaptive draft shape keeps its acceptance per template."""
+        if self.engine.policy is None:
+            return None
+        if self._prefixes is None:
+            self._prefixes = template_prefixes(self.prompts, self.tokenizer.encode)
+        return template_of(prompt_ids, self._prefixes)
 
     def memory_in_use(self) -> int:
         weights = int(getattr(self.target, "weight_bytes", 0))
@@ -444,7 +455,8 @@ class Session:
         deadline = start + params.deadline_s if params.deadline_s else None
         try:
             out = self.engine.generate(prompt_ids, params.sampling(allowed_tokens), params.max_tokens, params.seed,
-                                       on_tokens, StopCheck(deadline, why_stop), grammar=grammar)
+                                       on_tokens, StopCheck(deadline, why_stop), grammar=grammar,
+                                       template=self.template_of(prompt_ids))
         except Exception as exc:  # a backend failure mid-stream: the caller may have streamed text already
             exc.partial = Partial(decoder.text, list(emitted))
             raise

@@ -71,7 +71,8 @@ def read_tunes(bundle_dir: str) -> List[dict]:
             raise ValueError("`tunes` is not a list of mappings")
         return tunes
     except (OSError, yaml.YAMLError, ValueError, AttributeError) as exc:
-        raise BundleError(f"{path}: unreadable tune ({exc}); delete it and run `edgespec tune --bundle {bundle_dir}` "
+        why = " ".join(str(exc).split())  # YAML errors span lines; the operator gets one
+        raise BundleError(f"{path}: unreadable tune ({why}); delete it and run `edgespec tune --bundle {bundle_dir}` "
                           "again") from None
 
 
@@ -152,3 +153,38 @@ def seeded_tracker(alphas: List[float], cycles: float) -> AcceptanceTracker:
         if reach <= 1e-6:
             break
     return t
+
+
+TASK_VALUES = ("instruction", "context", "observation", "text")
+
+
+def template_prefixes(fmt, encode) -> List[Tuple[str, Tuple[int, ...]]]:
+    """[(task, token ids every prompt of that task starts with)], longest first: the common start of the task's
+    prompt rendered with two unlike sets of request values, tokenized. Tasks that start alike share one name
+    ("action|planner"), since no prompt can tell them apart by its start."""
+    found: Dict[Tuple[int, ...], List[str]] = {}
+    for task in sorted(fmt.tasks):
+        try:
+            a, b = (encode(fmt.render(task, **{k: v for k in TASK_VALUES})) for v in ("alpha", "Zulu 9;"))
+        except Exception:  # noqa: BLE001 - a template that cannot render this way is simply not recognised
+            continue
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        if n:
+            found.setdefault(tuple(int(t) for t in a[:n]), []).append(task)
+    return sorted((("|".join(v), k) for k, v in found.items()), key=lambda e: -len(e[1]))
+
+
+def template_of(prompt_ids, prefixes: List[Tuple[str, Tuple[int, ...]]]) -> Optional[str]:
+    """The task whose fixed start the prompt begins with (the longest such), else None.
+
+    >>> template_of([1, 3, 9, 9], [("planner", (1, 3)), ("text", (1,))])
+    'planner'
+    >>> template_of([2, 3], [("planner", (1, 3))]) is None
+    True"""
+    head = tuple(int(t) for t in prompt_ids[:max((len(p) for _, p in prefixes), default=0)])
+    for name, ids in prefixes:
+        if head[:len(ids)] == ids:
+            return name
+    return None
