@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Each module has `register(subparsers)` adding its subcommand(s) with a `func(args) -> int` default.
 RUNTIME_COMMANDS: List[str] = ["runtime.commands.generate", "runtime.commands.certify", "runtime.commands.bench",
-                                  "runtime.commands.memory"]
+                                  "runtime.commands.memory", "runtime.commands.tune"]
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -57,6 +57,10 @@ class DrafterConfig:
     kind: str = limits("auto", doc="auto = the bundle's default; none = plain decoding; or a drafter in the bundle")
     num_tokens: int = limits(4, min=1, max=64, doc="draft depth (tokens proposed per cycle along one branch)")
     branching: int = limits(1, min=1, max=16, doc="children per tree node (1 = a chain)")
+    shape: str = limits("auto", choices=("auto", "fixed", "adaptive"),
+                        doc="fixed = the drafter's own shape every cycle; adaptive = each cycle's node budget from "
+                            "the measured cost model and the acceptance so far (never planned slower than plain "
+                            "decoding); auto = adaptive where `edgespec tune` measured this machine, else fixed")
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import pytest
 from tests.support import REPO_ROOT
 
 FLOORS = {"runtime.errors": 0, "runtime.config": 0, "runtime.verify": 0, "runtime.verify_typical": 0,
-          "runtime.tree": 0, "runtime.sampling": 0, "runtime.siblings": 0,
+          "runtime.tree": 0, "runtime.sampling": 0, "runtime.siblings": 0, "runtime.speculation": 0,
           "runtime.text": 1, "runtime.model": 2, "runtime.memory": 3, "runtime.backends": 4,
           "runtime.drafters": 5, "runtime.decode": 6, "runtime.certify": 7, "runtime.serving": 8,
           "runtime.commands": 9, "runtime.cli": 9}

@@ -173,6 +173,7 @@ def row(label: str, drafter: str, temp: float, t: Tally, base: Tally, session, b
     return {
         "drafter": drafter, "label": label, "control": label == CONTROL, "temperature": temp,
         "bundle": bundle_name, "standin": "standin" in bundle_name.lower(), "backend": session.backend_name,
+        "shape": session.engine.shape,  # fixed, adaptive or adaptive (tuned): how the row drafted
         "rounds": len(t.round_tps()), "tokens": sum(t.round_tokens),
         "tokens_per_s": statistics.median(t.round_tps()), **paired_speedup(t.round_tps(), base.round_tps()),
         "tau": t.tau_sum / cyc if t.cycles else 1.0,
@@ -188,6 +189,23 @@ def row(label: str, drafter: str, temp: float, t: Tally, base: Tally, session, b
         # sampled outputs legitimately differ between drafters (each consumes the RNG its own way)
         "identical_to_plain": t.outputs == base.outputs if greedy else None,
     }
+
+
+def shape_suffixes(args) -> List[str]:
+    """The draft shapes a --drafters name may ask for after '@': fixed, adaptive, or k1 .. k32 (a fixed chain of
+    that depth), so one run compares a sweep of fixed shapes with the adaptive rule."""
+    return ["fixed", "adaptive"] + [f"k{n}" for n in range(1, 33)]
+
+
+def with_shape(cfg, label: str, kind: str):
+    """The config of one bench row: `draft_model@k3` = the draft model drafting a fixed chain of 3."""
+    drafter = replace(cfg.drafter, kind=kind)
+    shape = label.split("@")[1] if "@" in label else None
+    if shape in ("fixed", "adaptive"):
+        drafter = replace(drafter, shape=shape)
+    elif shape:
+        drafter = replace(drafter, shape="fixed", num_tokens=int(shape[1:]))
+    return replace(cfg, drafter=drafter)
 
 
 def run(args) -> int:
@@ -217,12 +235,15 @@ def run(args) -> int:
         names = [n.strip() for n in args.drafters.split(",") if n.strip()]
         if not names:
             raise ConfigError(f"--drafters: got {args.drafters!r}, expected a comma-separated list of "
-                              f"{bundle.drafter_choices()}")
+                              f"{bundle.drafter_choices()} (each may end in @fixed, @adaptive or @k1 .. @k32)")
         for n in names:
-            if n not in bundle.drafter_choices():
-                raise ConfigError(f"--drafters: got {args.drafters!r}; {bundle.missing_drafter(n)}")
+            base, _, shape = n.partition("@")
+            if base not in bundle.drafter_choices():
+                raise ConfigError(f"--drafters: got {args.drafters!r}; {bundle.missing_drafter(base)}")
+            if shape and shape not in shape_suffixes(args):
+                raise ConfigError(f"--drafters: {n}: the shape after '@' must be fixed, adaptive or k1 .. k32")
     names = ["none"] + [n for n in dict.fromkeys(names) if n != "none"]
-    configs = {n: n for n in names}
+    configs = {n: n.split("@")[0] for n in names}
     configs[CONTROL] = "none"
     sets = {**bench_prompts(fmt, [d for d in domains if d not in own]), **own}
     prompts = [(d, p) for d in domains for p in sets[d]]  # (domain, text)
@@ -311,7 +332,7 @@ def open_sessions(cfg, configs: Dict[str, str], warm_prompt: str) -> Tuple[Dict[
     for label, kind in configs.items():
         session = None
         try:
-            session = Session(replace(cfg, drafter=replace(cfg.drafter, kind=kind)))
+            session = Session(with_shape(cfg, label, kind))
             session.generate(warm_prompt, GenerationParams(max_tokens=4))  # warm-up (caches, allocations)
         except EdgespecError as exc:
             if kind == "none":

@@ -19,6 +19,7 @@ from runtime.drafters.base import DraftContext, Drafter, common_prefix_len
 from runtime.errors import RequestError
 from runtime.text.grammar import Grammar, GrammarState
 from runtime.sampling import SamplingParams, process_logits, process_logits_batch, sample
+from runtime.speculation import AdaptivePolicy
 from runtime.tree import DraftTree, flatten
 from runtime.verify import verify_greedy, verify_sampled
 
@@ -55,6 +56,11 @@ class DecodeStats:
     prefix_misses: int = 0  # requests that prefilled their whole prompt
     drafter: str = "none"
     backend: str = ""
+    # Draft shape: "fixed" (the drafter's own every cycle) or "adaptive" (runtime/speculation.py picks each
+    # cycle's node budget from the cost model; "adaptive (tuned)" when that model was measured by `edgespec tune`).
+    shape: str = "fixed"
+    skipped_cycles: int = 0  # cycles the adaptive rule drafted nothing in (plain steps: drafting did not pay)
+    mean_budget: float = 0.0  # mean node budget the adaptive rule gave the drafter per cycle
 
     def to_dict(self) -> Dict[str, object]:
         return dict(self.__dict__)
@@ -93,9 +99,14 @@ class Engine:
     `Drafter.reusable_prefix`; the others make the target recompute the whole prompt."""
 
     def __init__(self, target: TargetBackend, drafter: Optional[Drafter], eos_ids: Sequence[int] = (),
-                 sampled_verifier: Callable = verify_sampled, prefix_cache: bool = True):
+                 sampled_verifier: Callable = verify_sampled, prefix_cache: bool = True,
+                 policy: Optional[AdaptivePolicy] = None, shape: str = "adaptive"):
         self.target = target
         self.drafter = drafter
+        # Adaptive draft shapes (runtime/speculation.py): each cycle's node budget comes from the history of
+        # acceptance and the cost model only, never from this cycle's target outputs, so exactness is untouched.
+        self.policy = policy if drafter is not None else None
+        self._shape = shape
         self.eos = set(int(e) for e in eos_ids)
         # verify_sampled (exact) unless the config asks for the LOSSY typical acceptance by name; `certify`
         # swaps in wrong rules to prove it catches them, and refuses a lossy one.
@@ -105,6 +116,13 @@ class Engine:
         self._cached_by: Optional[TargetBackend] = None  # ... in this backend (certify swaps in a wrapper)
         self.prefix_hits = 0
         self.prefix_misses = 0
+
+    @property
+    def shape(self) -> str:
+        """What stats call the draft shape: "fixed", or the adaptive rule's label."""
+        if self.policy is None or self.drafter is None:
+            return "fixed"
+        return self._shape if self._shape != "fixed" else "adaptive"
 
     def check_request(self, prompt: Sequence[int], max_tokens: int, params: SamplingParams) -> None:
         if len(prompt) == 0:
@@ -123,17 +141,22 @@ class Engine:
     def generate(self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, seed: int = 0,
                  on_tokens: Optional[Callable[[List[int]], None]] = None,
                  stop: Optional[StopCheck] = None, first_token: Optional[int] = None,
-                 grammar: Optional[Grammar] = None) -> DecodeOutput:
+                 grammar: Optional[Grammar] = None, template: Optional[str] = None) -> DecodeOutput:
         """Decode up to `max_tokens` after `prompt`. `on_tokens` receives each batch of accepted tokens.
         `first_token`, if given, is emitted instead of sampling the first token (certify fixes the root).
         `grammar`, if given, constrains the answer: every token is drawn from the target masked by the
-        grammar state its path reaches, also inside speculation (see `_cycle`)."""
+        grammar state its path reaches, also inside speculation (see `_cycle`).
+        `template`: what kind of request this is ("planner", "action", ...) for the adaptive rule, which keeps
+        its acceptance per template and temperature class; default: the prompt's first tokens name it."""
         prompt = [int(t) for t in prompt]
         self.check_request(prompt, max_tokens, params)
         stop = stop or StopCheck()
         rng = np.random.default_rng([seed, 0])  # the target's own sampling / verification stream
         draft_rng = np.random.default_rng([seed, 1])
-        stats = DecodeStats(drafter=self.drafter.kind if self.drafter else "none", backend=self.target.name)
+        stats = DecodeStats(drafter=self.drafter.kind if self.drafter else "none", backend=self.target.name,
+                            shape=self.shape)
+        key = policy_key(template, prompt, params)
+        budgets: List[int] = []
         emitted_by_cycles = 0  # accepted + 1 per cycle, before EOS / max_tokens cut the output
         depth_tried: List[int] = []
         depth_hit: List[int] = []
@@ -163,7 +186,7 @@ class Engine:
             finish = stop.reason()
             if finish:
                 break
-            cycle = self._cycle(context, params, rng, draft_rng, max_tokens - len(out), stats, state)
+            cycle = self._cycle(context, params, rng, draft_rng, max_tokens - len(out), stats, state, key, budgets)
             stats.cycles += 1
             stats.target_forwards += 1
             emitted_by_cycles += len(cycle["emitted"])
@@ -185,6 +208,8 @@ class Engine:
         stats.tokens = len(out)
         stats.tau = emitted_by_cycles / stats.cycles if stats.cycles else 0.0
         stats.acceptance_by_depth = [h / n for h, n in zip(depth_hit, depth_tried)]
+        stats.skipped_cycles = sum(1 for b in budgets if b == 0)
+        stats.mean_budget = float(np.mean(budgets)) if budgets else 0.0
         stats.tokens_per_s = len(out) / stats.wall_s if stats.wall_s > 0 else 0.0
         stats.other_s = stats.wall_s - stats.prefill_s - stats.draft_s - stats.verify_s  # spans never overlap
         stats.grammar_s = state.seconds if state is not None else 0.0
@@ -224,7 +249,7 @@ class Engine:
         return first, res.taps, start
 
     def _cycle(self, context: List[int], params: SamplingParams, rng, draft_rng, remaining: int, stats: DecodeStats,
-               grammar: Optional[GrammarState] = None):
+               grammar: Optional[GrammarState] = None, key: str = "", budgets: Optional[List[int]] = None):
         """One draft -> verify -> accept cycle. Returns the emitted tokens and what was drafted/accepted.
 
         Under a grammar, verify row r (root, then node i) is masked by the grammar state after the root +
@@ -233,17 +258,24 @@ class Engine:
         target = self.target
         base = target.cache_len  # rows before the root
         tree = DraftTree(tokens=np.zeros(0, np.int64), parents=np.zeros(0, np.int64))
+        draft_s = 0.0
         if self.drafter is not None and remaining > 1:
             td = time.perf_counter()
             max_nodes = min(target.max_cache_len - base - 1, remaining - 1)
-            allowed = grammar.allowed if grammar is not None else None
-            tree = self.drafter.propose(DraftContext(context, params, draft_rng, max_nodes, allowed))
-            stats.draft_s += time.perf_counter() - td
+            if self.policy is not None:
+                max_nodes = min(max_nodes, self.policy.budget(key))
+                budgets.append(max_nodes)
+            if max_nodes > 0:
+                allowed = grammar.allowed if grammar is not None else None
+                tree = self.drafter.propose(DraftContext(context, params, draft_rng, max_nodes, allowed))
+            draft_s = time.perf_counter() - td
+            stats.draft_s += draft_s
         tokens, positions, mask = flatten(tree, context[-1], base, base)
         tv = time.perf_counter()
         taps_wanted = self.drafter.target_taps if self.drafter else ()
         res = target.forward(tokens, positions, mask, taps_wanted)
-        stats.verify_s += time.perf_counter() - tv
+        verify_s = time.perf_counter() - tv
+        stats.verify_s += verify_s
         histories = self._histories(context, tree) if params.repetition_penalty != 1.0 else ()
         masks = grammar.row_masks(tree) if grammar is not None else None
         p = process_logits_batch(res.logits, params, histories, masks)
@@ -257,6 +289,8 @@ class Engine:
             self.drafter.accept(result.accepted, committed, {k: v[sel] for k, v in res.taps.items()})
             stats.draft_s += time.perf_counter() - td
         depth = int(tree.depths().max()) if len(tree) else 0
+        if self.policy is not None and budgets:
+            self.policy.observe(key, depth, len(result.accepted), len(tokens), verify_s, draft_s)
         return {"emitted": committed[1:] + [result.next_token], "accepted": len(result.accepted), "drafted_depth": depth}
 
     @staticmethod
@@ -283,3 +317,15 @@ class Engine:
         if batch and on_tokens is not None:
             on_tokens(batch)
         return finish
+
+
+def policy_key(template: Optional[str], prompt: Sequence[int], params: SamplingParams) -> str:
+    """The adaptive rule's key for a request: its template (or, unnamed, its first four prompt tokens, which a
+    prompt template fixes) and whether it is greedy, since acceptance differs by both.
+
+    >>> policy_key("action", [1, 9, 9], SamplingParams())
+    'action/greedy'
+    >>> policy_key(None, [1, 5, 7, 7, 2], SamplingParams(temperature=1.0))
+    'prefix 1,5,7,7/sampled'"""
+    name = template if template else "prefix " + ",".join(str(int(t)) for t in prompt[:4])
+    return f"{name}/{'greedy' if params.greedy else 'sampled'}"

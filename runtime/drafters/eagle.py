@@ -250,7 +250,10 @@ class EagleDrafter(Drafter):
 
     def accept(self, accepted_nodes, committed, taps) -> None:
         self.cache.keep(self.committed_rows, [])  # drop the drafted rows
-        self.pending = self._features(taps)
+        # Appended, not replaced: after a cycle that drafted nothing (an adaptive shape's plain step) the rows
+        # of the cycle before are still waiting to be run.
+        new = self._features(taps)
+        self.pending = new if self.pending is None else np.concatenate([self.pending, new])
 
     def _catch_up(self, tokens: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
         """Run the rows of newly committed positions: row t = (feature f_t, token x_{t+1}). Returns the last

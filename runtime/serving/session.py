@@ -37,6 +37,7 @@ from runtime.memory.kv import KVArena
 from runtime.text.prompts import (ACTION_CHUNK, ZOO_PROMPTS, action_prompt, parse_plan, plan_objects, planner_prompt,
                              zoo_tokens_in)
 from runtime.sampling import SamplingParams
+from runtime.serving.tuning import choose_shape, template_of, template_prefixes
 from runtime.text.templates import PromptFormat
 from runtime.text.tokenizer import StreamDecoder, Tokenizer
 from runtime.verify import verify_sampled
@@ -302,12 +303,22 @@ class Session:
         name = config.drafter.kind if config.drafter.kind != "auto" else b.default_drafter
         if name not in b.drafter_choices():
             raise RequestError("drafter", b.missing_drafter(name))
+        # Fixed or adaptive draft shapes (runtime/serving/tuning.py); a tuned shape may draft deeper than num_tokens.
+        try:
+            precision_key = (b.onnx_target(backend.precision) if backend.kind == "onnx" else
+                             b.target_files(backend.kind)).params.get("precision", backend.precision)
+        except BundleError:  # the backend's own files are checked (and refused, by name) further down
+            precision_key = backend.precision
+        self.shape = choose_shape(config.drafter.shape, config.bundle, backend.kind, str(precision_key), name,
+                                  config.drafter.num_tokens)
+        self.shape_precision = str(precision_key)  # what a tune of this session is keyed by, with backend and machine
+        num_tokens = self.shape.num_tokens
         # The plan (runtime/memory/plan.py) sizes the arena; an over-budget session is refused before any allocation.
         shapes = memory.bundle_cache_shapes(b, name)
-        tree_tokens = config.drafter.num_tokens * config.drafter.branching + 1
+        tree_tokens = num_tokens * config.drafter.branching + 1
         entry = b.drafters.get(name)
         if entry is not None and entry.kind == "medusa":  # a static tree: its size is the bundle's, not the flags'
-            depth = min(config.drafter.num_tokens, int(entry.params.get("num_heads", config.drafter.num_tokens)))
+            depth = min(num_tokens, int(entry.params.get("num_heads", num_tokens)))
             tree_tokens = len(resolve_tree(entry.params.get("tree", "chain"), depth)) + 1
         self.plan_inputs = memory.bundle_inputs(b, name, backend.kind, tree_tokens, backend.precision)
         positions = config.memory.max_context
@@ -331,7 +342,7 @@ class Session:
         # The hidden states the drafter reads: a backend that cannot give one refuses here, at session creation.
         taps = b.drafters[name].target_taps if name in b.drafters else ()
         self.target = open_model(b, spec, files, backend, cache, taps=taps)
-        self.drafter = build_drafter(name, b, backend, self.arena, positions, config.drafter.num_tokens,
+        self.drafter = build_drafter(name, b, backend, self.arena, positions, num_tokens,
                                      config.drafter.branching, getattr(self.target, "w", None))
         check_taps(self.target, self.drafter, backend.kind, config.bundle)
         self.drafter_kind = name
@@ -341,8 +352,10 @@ class Session:
         verifier = (lossy_verifier(config.decoding.typical_epsilon, config.decoding.typical_delta)
                     if config.decoding.lossy_typical_acceptance else verify_sampled)
         self.engine = Engine(self.target, self.drafter, eos_ids(b, self.prompts, self.tokenizer),
-                             sampled_verifier=verifier, prefix_cache=config.memory.prefix_cache)
+                             sampled_verifier=verifier, prefix_cache=config.memory.prefix_cache,
+                             policy=self.shape.policy, shape=self.shape.label)
         self._actions: Optional[ActionTokenizer] = None
+        self._prefixes: Optional[list] = None  # the prompt templates' fixed starts (template_of), when first needed
         self._grammar_tokenizer: Optional[GrammarTokenizer] = None
         self._grammars: Dict[tuple, Grammar] = {}  # compiled grammars by (kind, text), the most recent few
 
@@ -362,6 +375,15 @@ class Session:
         if prefix_cache is not None:
             cfg = replace(cfg, memory=replace(cfg.memory, prefix_cache=prefix_cache))
         return cls(cfg)
+
+    def template_of(self, prompt_ids: Sequence[int]) -> Optional[str]:
+        """Which of the bundle's prompt templates a prompt was made with (planner, action, text), by its fixed
+        start: the adaptive draft shape keeps its acceptance per template."""
+        if self.engine.policy is None:
+            return None
+        if self._prefixes is None:
+            self._prefixes = template_prefixes(self.prompts, self.tokenizer.encode)
+        return template_of(prompt_ids, self._prefixes)
 
     def memory_in_use(self) -> int:
         weights = int(getattr(self.target, "weight_bytes", 0))
@@ -447,7 +469,8 @@ class Session:
         deadline = start + params.deadline_s if params.deadline_s else None
         try:
             out = self.engine.generate(prompt_ids, params.sampling(allowed_tokens), params.max_tokens, params.seed,
-                                       on_tokens, StopCheck(deadline, why_stop), grammar=grammar)
+                                       on_tokens, StopCheck(deadline, why_stop), grammar=grammar,
+                                       template=self.template_of(prompt_ids))
         except Exception as exc:  # a backend failure mid-stream: the caller may have streamed text already
             exc.partial = Partial(decoder.text, list(emitted))
             raise

@@ -1,0 +1,137 @@
+"""Adaptive draft shapes (runtime/speculation.py, `drafter.shape: adaptive`): each cycle's node budget comes from
+the cost model and the acceptance seen so far. Greedy output stays token-identical to plain decoding for every
+drafter, also across cycles that draft nothing and short probes; sampled output keeps the target's distribution
+(chi-square, alpha 0.001, fixed seeds) with a wrong acceptance rule as the power control; and the rule drafts
+nothing where drafting cannot pay."""
+import os
+
+import numpy as np
+import pytest
+
+from runtime.certify.run import certify
+from runtime.sampling import SamplingParams
+from runtime.serving.session import GenerationParams, Session
+from runtime.speculation import AcceptanceTracker, AdaptivePolicy, CostModel, best_depth
+from runtime.text.prompts import action_prompt, planner_prompt
+from tests.runtime.certify.test_certify import ALPHA, CONTEXT, always_accept
+from tests.support import REPO_ROOT
+
+ZOO = os.path.join(REPO_ROOT, "build", "bundles", "zoo")
+PROMPTS = [planner_prompt("put two apples in the fridge"), action_prompt("lift the metal apple", [0.1] * 8),
+           "<|bos|><|text|>To be, or not"]
+DRAFTERS = ["draft_model", "ngram", "eagle", "eagle2", "eagle3", "eagle3_chain", "mtp", "dflash", "dflash2", "medusa"]
+
+
+def skipping_policy(k_max: int = 4) -> AdaptivePolicy:
+    """Verify rows that cost 60 % of a step each and a pessimistic prior: most cycles draft nothing, every third
+    idle cycle probes two nodes, and where the drafter is right the budget grows."""
+    return AdaptivePolicy(CostModel(((1, 1.0), (2, 1.6))), k_max, probe_every=3, probe_depth=2, prior=0.3)
+
+
+def needs_zoo():
+    if not os.path.exists(os.path.join(ZOO, "bundle.yaml")):
+        pytest.skip(f"{ZOO} is not built: run `make bundles`")
+
+
+@pytest.mark.parametrize("backend", ["numpy_ref", "onnx"])
+def test_adaptive_shapes_keep_greedy_output_identical_to_plain_decoding_for_every_drafter(backend):
+    needs_zoo()
+    plain = Session.open(ZOO, drafter="none", backend=backend)
+    refs = [plain.generate(p, GenerationParams(max_tokens=40)).token_ids for p in PROMPTS]
+    plain.close()
+    for kind in DRAFTERS:
+        s = Session.open(ZOO, drafter=kind, backend=backend)
+        s.engine.policy = skipping_policy()
+        skipped = drafted = 0
+        for p, ref in zip(PROMPTS, refs):
+            out = s.generate(p, GenerationParams(max_tokens=40))
+            assert out.token_ids == ref, f"{kind} on {backend}: adaptive greedy output left plain decoding"
+            skipped += out.stats.skipped_cycles
+            drafted += out.stats.mean_budget > 0
+        s.close()
+        assert skipped > 0 and drafted == len(PROMPTS), f"{kind}: the test must cross plain steps and drafts"
+
+
+def test_the_rule_drafts_nothing_where_the_drafter_is_rarely_right_and_probes_now_and_then():
+    policy = AdaptivePolicy(CostModel(((1, 1.0), (2, 1.3))), 4, probe_every=5, probe_depth=2)
+    for _ in range(40):  # the drafter's first token is accepted one time in ten
+        policy.observe("action/greedy", 2, 0, 3, 1.3, 0.1)
+    policy.observe("action/greedy", 2, 1, 3, 1.3, 0.1)
+    budgets = [policy.budget("action/greedy") for _ in range(20)]
+    assert budgets == [0, 0, 0, 0, 2] * 4
+    # the planner's requests, where the same drafter is right, keep drafting: the state is per template
+    for _ in range(20):
+        policy.observe("planner/greedy", 4, 4, 5, 2.2, 0.1)
+    assert policy.budget("planner/greedy") == 4
+
+
+def test_the_best_depth_grows_as_verify_rows_get_cheaper():
+    alphas = [0.8] * 8
+    depths = [best_depth(alphas, CostModel(((1, 1.0), (2, 1.0 + row))), 8) for row in (1.0, 0.5, 0.2, 0.1, 0.02)]
+    assert depths == sorted(depths) and depths[0] == 0 and depths[-1] == 8, depths
+
+
+def test_acceptance_is_conditional_on_reaching_the_depth():
+    t = AcceptanceTracker(prior_weight=0.0, decay=1.0)
+    for accepted in (0, 0, 2, 2):  # four chains of 2: half stop at once, half take both
+        t.observe(2, accepted)
+    assert t.alphas(2) == [0.5, 1.0]
+
+
+def test_adaptive_shapes_on_the_zoo_draft_where_it_pays_and_skip_where_it_does_not():
+    """One CPU-like cost model (each verify row 50 % of a step): planner requests with the draft model (long
+    accepted runs) draft every cycle; action tokens with the n-gram drafter (whose guesses the target rarely takes
+    there) mostly run plain steps."""
+    needs_zoo()
+    s = Session.open(ZOO, drafter="draft_model")
+    s.engine.policy = AdaptivePolicy(CostModel(((1, 1.0), (2, 1.5))), 4, prior=0.5)
+    for _ in range(3):
+        out = s.generate(PROMPTS[0], GenerationParams(max_tokens=48))
+    assert out.stats.shape == "adaptive" and out.stats.mean_budget >= 2 and out.stats.skipped_cycles == 0, out.stats
+    s.close()
+    s = Session.open(ZOO, drafter="ngram")
+    s.engine.policy = AdaptivePolicy(CostModel(((1, 1.0), (2, 1.5))), 4, prior=0.5)
+    for _ in range(3):
+        out = s.generate(PROMPTS[1], GenerationParams(max_tokens=48))
+    assert out.stats.skipped_cycles > out.stats.cycles / 2, out.stats
+    s.close()
+
+
+class Recording(AdaptivePolicy):
+    """The real rule, remembering the budgets it gave (so the test can check the shape really varied)."""
+
+    def budget(self, key):
+        k = super().budget(key)
+        self.seen.add(k)
+        return k
+
+
+def varying_policy() -> Recording:
+    p = Recording(CostModel(((1, 1.0), (2, 1.3), (4, 1.7))), 3, probe_every=2, probe_depth=1, prior=0.6)
+    p.seen = set()
+    return p
+
+
+@pytest.mark.parametrize("drafter,branching,params", [
+    ("draft_model", 1, SamplingParams(temperature=1.0)),
+    ("draft_model", 2, SamplingParams(temperature=0.8)),
+    ("ngram", 1, SamplingParams(temperature=1.0)),
+])
+def test_sampled_adaptive_shapes_pass_the_chi_square_test_through_the_real_drafter(tiny_bundle, drafter, branching,
+                                                                                 params):
+    s = Session.open(tiny_bundle, drafter=drafter, max_context=128)
+    if branching > 1:
+        s.drafter.branching = branching
+    s.engine.policy = varying_policy()
+    (res,) = certify(s, CONTEXT, params, draws=3000, alpha=ALPHA, seed=11)
+    assert res.passed, res
+    assert len(s.engine.policy.seen) > 1, "the budgets never varied: the test would not see a shape-dependent bias"
+
+
+def test_the_chi_square_test_rejects_a_wrong_rule_under_adaptive_shapes(tiny_bundle):
+    """Power control: the same run with a rule that accepts the first child whatever the target says."""
+    s = Session.open(tiny_bundle, drafter="draft_model", max_context=128)
+    s.engine.policy = varying_policy()
+    (res,) = certify(s, CONTEXT, SamplingParams(temperature=1.0), draws=1500, alpha=ALPHA, verifier=always_accept)
+    assert not res.passed and res.first_p_value < ALPHA
+    assert np.isfinite(res.first_p_value)
