@@ -247,8 +247,8 @@ def memoise_session(session) -> MemoModel:
     taps = session.drafter.target_taps if session.drafter else ()
     target = MemoModel(session.target, taps)
     session.engine.target = target
-    if session.drafter is not None and hasattr(session.drafter, "model"):
-        session.drafter.model = MemoModel(session.drafter.model)
+    if session.drafter is not None:
+        session.drafter.wrap_models(MemoModel)
     return target
 
 
@@ -316,7 +316,7 @@ def choose_contexts(session, seeds: Sequence[Tuple[str, str]], params: SamplingP
     keep the best prefix, and the best one whose next token (the root) is near-certain (p >= near_certain)
     — where the target barely hesitates before the token the drafter branches on."""
     target = memoise_session(session)
-    width = max(1, int(getattr(session.drafter, "branching", 1)))
+    width = max(1, session.drafter.branching)
     rng = np.random.default_rng([seed, 7])
     best: Dict[Tuple[str, str], Tuple[float, List[int]]] = {}
     for domain, text in seeds:

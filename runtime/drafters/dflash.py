@@ -21,8 +21,12 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from runtime.drafters.base import DraftContext, Drafter
+from runtime.backends.factory import load_weights
+from runtime.backends.numpy_ref import cache_shape
+from runtime.backends.onnx_net import OnnxNet
+from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec
 from runtime.errors import BundleError
+from runtime.memory import plan as memory_plan
 from runtime.memory.kv import KVCache
 from runtime.model.layers import apply_rope, attention, rms_norm, rope_cos_sin, rope_inv_freq, silu
 from runtime.model.spec import ModelSpec
@@ -195,8 +199,8 @@ class DFlashDrafter(Drafter):
         self.cache.reset()
         self.pending = []
 
-    def begin(self, prompt: Sequence[int], taps: Dict[str, np.ndarray]) -> None:
-        self.reset()
+    def begin(self, prompt: Sequence[int], taps: Dict[str, np.ndarray], start: int = 0) -> None:
+        self.reset()  # (start is always 0: reusable_prefix keeps nothing)
         self._take(taps)
 
     def accept(self, accepted_nodes, committed, taps) -> None:
@@ -363,3 +367,40 @@ class DFlashDrafter(Drafter):
             prev_cands, a_index = cands, j
         self.last_walk = walk
         return drafted, qs
+
+
+# -- built from a bundle entry ------------------------------------------------------------------
+
+def build(b: DrafterBuild, params: DFlashParams) -> DFlashDrafter:
+    bundle, entry, backend = b.bundle, b.entry, b.backend
+    where = f"{bundle.path('bundle.yaml')}: drafters.{b.name}"
+    if entry.spec is None:
+        raise BundleError(f"{where}.spec: missing (the draft layers' shape); rebuild with `edgespec bundle --target DIR --dflash DIR --out DIR`")
+    weights = load_weights(bundle, entry.files)
+    embed, head = b.embed_and_head()
+    # the context rows plus one block of temporary rows
+    cache = b.arena.allocate("draft", cache_shape(entry.spec), b.max_positions + params.block_size)
+    net = None
+    if backend.kind == "onnx" and "onnx" in entry.backends:  # the block forward as a graph, else numpy
+        net = OnnxNet(bundle.path(entry.backends["onnx"].files[0]), backend.providers, backend.threads,
+                      label=f"drafter {b.name}")
+    return DFlashDrafter(entry.spec, params, weights, embed, head, cache, source=where, net=net)
+
+
+def memory(bundle, entry, p: DFlashParams, backend: str) -> memory_plan.DrafterMemory:
+    """float32 numpy layers on the target's embedding and head (own copies beside an ONNX target); fc reads the
+    fused target taps; DFlash-2's selector codebooks and local-mixing kernels come on top."""
+    if entry.spec is None:
+        return memory_plan.NO_DRAFTER
+    spec = bundle.target.spec
+    taps = len(p.target_layer_ids) or 1
+    draft = replace(memory_plan.dims_from_spec(entry.spec), own_embedding=False, head_rows=0,
+                    fusion_in=taps * spec.hidden_size)
+    extra = 4 * max(0, memory_plan.entry_numel(bundle, entry) - draft.body_params())
+    if backend != "numpy_ref":
+        extra += memory_plan.target_embedding_copy_bytes(spec)
+    return memory_plan.DrafterMemory(draft, "fp32", extra)
+
+
+SPEC = DrafterSpec(kinds=("dflash", "dflash2"), params=DFlashParams.from_dict,
+                   build=build, memory=memory)

@@ -8,12 +8,17 @@ cache holds and the context is kept and only the rest (usually the root plus a t
 The same rule carries the draft cache across requests when the target reuses a prompt prefix."""
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from dataclasses import dataclass, replace
+from typing import Dict, List, Mapping, Sequence
 
 import numpy as np
 
 from runtime.backends.base import TargetBackend
-from runtime.drafters.base import DraftContext, Drafter, common_prefix_len
+from runtime.backends.factory import open_model
+from runtime.backends.numpy_ref import cache_shape
+from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec, common_prefix_len
+from runtime.memory.plan import DrafterMemory, NO_DRAFTER, dims_from_spec
+from runtime.model.bundle import BackendFiles
 from runtime.drafters.shared import pick_children
 from runtime.sampling import process_logits, sample
 from runtime.tree import DraftTree, empty_tree
@@ -22,6 +27,7 @@ from runtime.tree import DraftTree, empty_tree
 class DraftModelDrafter(Drafter):
     kind = "draft_model"
     builds_sampled_trees = True
+    takes_branching = True
 
     def __init__(self, model: TargetBackend, num_tokens: int = 4, branching: int = 1):
         self.model = model
@@ -36,6 +42,9 @@ class DraftModelDrafter(Drafter):
     @property
     def memory_bytes(self) -> int:
         return int(getattr(self.model, "weight_bytes", 0))
+
+    def wrap_models(self, wrap) -> None:
+        self.model = wrap(self.model)
 
     def begin(self, prompt, taps, start: int = 0) -> None:
         if not start:
@@ -123,3 +132,38 @@ class DraftModelDrafter(Drafter):
             rows.append(self._node_rows[node])
         self.model.keep(self._base, rows)
         self.cached = self._context + [int(t) for t in committed[1:1 + len(rows)]]
+
+
+@dataclass(frozen=True)
+class DraftModelParams:
+    """bundle.yaml drafters.<name>.params of a draft model: nothing the runtime reads (its shape is the
+    entry's spec, its files the entry's files and backends)."""
+
+    @staticmethod
+    def from_dict(d: Mapping, where: str) -> "DraftModelParams":
+        return DraftModelParams()
+
+
+def build(b: DrafterBuild, p: DraftModelParams) -> DraftModelDrafter:
+    entry, backend = b.entry, b.backend
+    files = entry.backends.get(backend.kind) if backend.kind != "numpy_ref" else None
+    files = files or BackendFiles(files=entry.files)
+    if backend.kind != "numpy_ref" and backend.kind not in entry.backends:
+        backend = replace(backend, kind="numpy_ref")  # no graph for this backend: run the draft in numpy
+    cache = b.arena.allocate("draft", cache_shape(entry.spec), b.max_positions)
+    model = open_model(b.bundle, entry.spec, files, backend, cache, label=f"drafter {b.name}")
+    return DraftModelDrafter(model, num_tokens=b.num_tokens, branching=b.branching)
+
+
+def memory(bundle, entry, p: DraftModelParams, backend: str) -> DrafterMemory:
+    """Its own layers at the precision of its graph for this backend (numpy: float32)."""
+    if entry.spec is None:
+        return NO_DRAFTER
+    d_files = entry.backends.get(backend) if backend != "numpy_ref" else None
+    d_prec = d_files.params.get("precision", "fp32") if d_files is not None else "fp32"
+    if d_files is not None and backend == "gguf":
+        d_prec = {"f16": "fp16"}.get(d_files.params.get("quant", "f16"), d_files.params.get("quant"))
+    return DrafterMemory(dims_from_spec(entry.spec), d_prec)
+
+
+SPEC = DrafterSpec(kinds=("draft_model",), params=DraftModelParams.from_dict, build=build, memory=memory)

@@ -25,9 +25,13 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from runtime.drafters.base import DraftContext, Drafter
+from runtime.backends.factory import load_weights
+from runtime.backends.numpy_ref import cache_shape
+from runtime.backends.onnx_net import OnnxNet
+from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec
 from runtime.drafters.shared import pick_children
 from runtime.errors import BundleError
+from runtime.memory import plan as memory_plan
 from runtime.memory.kv import KVCache
 from runtime.model.layers import causal_mask, decoder_layer, rms_norm, rope_cos_sin, rope_inv_freq
 from runtime.model.spec import ModelSpec
@@ -104,6 +108,7 @@ def dynamic_tree(expand, root_scores: np.ndarray, tree: DynamicTree, max_nodes: 
 
 class EagleDrafter(Drafter):
     builds_sampled_trees = True  # chains split at the root by the sibling rule when branching > 1
+    takes_branching = True  # the chains' split (the EAGLE-2 tree keeps its own shape)
 
     def __init__(self, kind: str, spec: ModelSpec, weights: Mapping[str, np.ndarray], embed: np.ndarray,
                  target_head: np.ndarray, cache: KVCache, params: Mapping, num_tokens: int = 4, branching: int = 1,
@@ -244,8 +249,8 @@ class EagleDrafter(Drafter):
         self.committed_rows = 0
         self.pending = None
 
-    def begin(self, prompt: Sequence[int], taps: Dict[str, np.ndarray]) -> None:
-        self.reset()
+    def begin(self, prompt: Sequence[int], taps: Dict[str, np.ndarray], start: int = 0) -> None:
+        self.reset()  # (start is always 0: reusable_prefix keeps nothing)
         self.pending = self._features(taps)
 
     def accept(self, accepted_nodes, committed, taps) -> None:
@@ -357,3 +362,63 @@ class EagleDrafter(Drafter):
             path.append(node)
             node = parents[node]
         return path[::-1]
+
+
+# -- built from a bundle entry ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EagleParams:
+    """bundle.yaml drafters.<name>.params of an EAGLE head (kind eagle or eagle3). The head itself reads the
+    rest (bias, tap_layers, norm_before_residual) from the same mapping."""
+    tree: Optional[DynamicTree] = None  # set: the EAGLE-2 dynamic tree; None: chains of num_tokens x branching
+    draft_vocab_size: Optional[int] = None  # EAGLE-3: rows of its own LM head
+
+    @staticmethod
+    def from_dict(d: Mapping, where: str) -> "EagleParams":
+        tree = d.get("tree")
+        if tree is not None and not isinstance(tree, dict):
+            raise BundleError(f"{where}.tree: got {tree!r}, expected a mapping (total_tokens, depth, top_k)")
+        vocab = d.get("draft_vocab_size")
+        return EagleParams(DynamicTree.from_params(tree, where) if tree is not None else None,
+                           None if vocab is None else int(vocab))
+
+
+def build(b: DrafterBuild, p: EagleParams) -> EagleDrafter:
+    """An EAGLE-1/2 or EAGLE-3 head on the target's embedding (and, EAGLE-1, its LM head). Its step runs on the
+    entry's ONNX graph when the backend is onnx and the entry has one, else in numpy."""
+    bundle, entry, backend, source = b.bundle, b.entry, b.backend, b.source
+    if entry.spec is None:
+        raise BundleError(f"{source}: no spec (the draft layer's shape); rebuild it with export/drafters/eagle.py")
+    embed, head = b.embed_and_head()
+    cache = b.arena.allocate("draft", cache_shape(entry.spec), b.max_positions + memory_plan.DRAFT_SLACK)
+    net = None
+    graph = entry.backends.get("onnx") if backend.kind == "onnx" else None
+    if graph is not None:
+        onnx_files = [f for f in graph.files if f.endswith(".onnx")]
+        if not onnx_files:
+            raise BundleError(f"{source}.backends.onnx lists no .onnx graph; run `edgespec export --to onnx --bundle {bundle.root}`")
+        net = OnnxNet(bundle.path(onnx_files[0]), providers=backend.providers, threads=backend.threads,
+                      label=f"{entry.kind} head {b.name}")
+    return EagleDrafter(entry.kind, entry.spec, load_weights(bundle, entry.files), embed, head, cache, entry.params,
+                        num_tokens=b.num_tokens, branching=b.branching, tree=p.tree, source=source, net=net)
+
+
+def eagle_dims(entry, p: EagleParams) -> memory_plan.ModelDims:
+    """An EAGLE head's one layer: it reads the target's embedding; EAGLE-1 uses the target's LM head (fc 2H -> H),
+    EAGLE-3 has its own over draft_vocab_size rows, attends over 2H and fuses three target hiddens (fc 3H -> H)."""
+    d = replace(memory_plan.dims_from_spec(entry.spec), own_embedding=False)
+    h = d.hidden
+    if entry.kind == "eagle":
+        return replace(d, head_rows=0, fusion_in=2 * h)
+    return replace(d, head_rows=p.draft_vocab_size or d.vocab, attn_in=2 * h, fusion_in=3 * h)
+
+
+def memory(bundle, entry, p: EagleParams, backend: str) -> memory_plan.DrafterMemory:
+    """Its layer in float32 numpy; beside a graph target, its own float32 copy of the target's embedding (and head)."""
+    if entry.spec is None:
+        return memory_plan.NO_DRAFTER
+    extra = memory_plan.target_embedding_copy_bytes(bundle.target.spec) if backend != "numpy_ref" else 0
+    return memory_plan.DrafterMemory(eagle_dims(entry, p), "fp32", extra)
+
+
+SPEC = DrafterSpec(kinds=("eagle", "eagle3"), params=EagleParams.from_dict, build=build, memory=memory)
