@@ -19,6 +19,7 @@ from runtime.decode.engine import Engine, StopCheck
 from runtime.errors import ConfigError
 from runtime.sampling import SamplingParams, process_logits, sample
 from runtime.siblings import Siblings
+from runtime.tree import path_to
 from runtime.certify.stat_tests import chi_square_gof
 from runtime.verify import VerifyResult, residual
 
@@ -100,11 +101,7 @@ class MemoModel:
         return node
 
     def _path(self, node: int) -> List[int]:
-        nodes = []
-        while node >= 0:
-            nodes.append(node)
-            node = self._parent[node]
-        return nodes[::-1]
+        return path_to(self._parent, node)
 
     def _compute(self, nodes: Sequence[int]) -> None:
         """Run the wrapped model once, from an empty cache, on the union of the paths of `nodes` laid out

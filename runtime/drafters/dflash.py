@@ -25,12 +25,13 @@ from runtime.backends.factory import load_weights
 from runtime.backends.numpy_ref import cache_shape
 from runtime.backends.onnx_net import OnnxNet
 from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec
+from runtime.drafters.shared import pick, ranking_params
 from runtime.errors import BundleError
 from runtime.memory import plan as memory_plan
 from runtime.memory.kv import KVCache
 from runtime.model.layers import apply_rope, attention, rms_norm, rope_cos_sin, rope_inv_freq, silu
 from runtime.model.spec import ModelSpec
-from runtime.sampling import process_logits, sample
+from runtime.sampling import process_logits
 from runtime.tree import DraftTree, empty_tree
 
 LAYER_KEYS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
@@ -307,7 +308,7 @@ class DFlashDrafter(Drafter):
             drafted, qs = [], []
             for t in range(n):
                 q = process_logits(logits[t], ctx.params, list(tokens) + drafted, ctx.mask(drafted))
-                drafted.append(int(np.argmax(q)) if ctx.params.greedy else sample(q, ctx.rng))
+                drafted.append(pick(q, ctx.params, ctx.rng))
                 qs.append(q)
         greedy = ctx.params.greedy
         return DraftTree(tokens=np.asarray(drafted, np.int64), parents=np.arange(-1, len(drafted) - 1, dtype=np.int64),
@@ -341,7 +342,7 @@ class DFlashDrafter(Drafter):
         drafted: List[int] = []
         qs: List[np.ndarray] = []
         walk = []
-        soft_params = replace(params, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) if params.greedy else params
+        soft_params = ranking_params(params)
         for t in range(logits.shape[0]):
             p_t = process_logits(logits[t], soft_params, tokens + drafted, ctx.mask(drafted))
             live = np.flatnonzero(p_t > 0)
@@ -355,10 +356,7 @@ class DFlashDrafter(Drafter):
             cond = np.exp(scores)
             cond /= cond.sum(axis=1, keepdims=True)  # row a: q_t(. | a) over C_t
             row = cond[a_index]
-            if params.greedy:
-                j = int(np.argmax(row))
-            else:
-                j = int(sample(row, ctx.rng))
+            j = pick(row, params, ctx.rng)
             q = np.zeros(logits.shape[1])
             q[cands] = row
             qs.append(q)

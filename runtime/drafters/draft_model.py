@@ -9,7 +9,7 @@ The same rule carries the draft cache across requests when the target reuses a p
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Dict, List, Mapping, Sequence
+from typing import Dict, List, Mapping
 
 import numpy as np
 
@@ -19,9 +19,8 @@ from runtime.backends.numpy_ref import cache_shape
 from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec, common_prefix_len
 from runtime.memory.plan import DrafterMemory, NO_DRAFTER, dims_from_spec
 from runtime.model.bundle import BackendFiles
-from runtime.drafters.shared import pick_children
-from runtime.sampling import process_logits, sample
-from runtime.tree import DraftTree, empty_tree
+from runtime.drafters.shared import grow_chains, tree_mask
+from runtime.tree import DraftTree, empty_tree, path_to
 
 
 class DraftModelDrafter(Drafter):
@@ -77,49 +76,18 @@ class DraftModelDrafter(Drafter):
         self._proposed = True
         if depth <= 0:
             return empty_tree()
-        params = ctx.params
-        mask0 = ctx.mask(())
-        q0 = process_logits(logits, params, context, mask0)
-        firsts = pick_children(logits, q0, params, context, self.branching, ctx.rng, self.sibling_rule, mask0)
-        deterministic = firsts.deterministic
-        tokens: List[int] = firsts.tokens.tolist()
-        parents: List[int] = [-1] * len(tokens)
-        qs: List[np.ndarray] = [q0] * len(tokens) if deterministic else list(firsts.proposals)
-        frontier = list(range(len(tokens)))  # node index of each chain's last token
-        for d in range(1, depth):
-            # Run the frontier (one node per chain) in one forward with a tree mask, then extend each chain.
+
+        def run(frontier: List[int], tokens: List[int], parents: List[int], d: int) -> np.ndarray:
+            """The frontier (one node per chain, depth d) in one forward under the tree mask; rows kept for accept."""
             start = self.model.cache_len
-            rows_mask = np.zeros((len(frontier), start + len(frontier)), bool)
-            for j, node in enumerate(frontier):
-                rows_mask[j, :self._base] = True
-                for anc in self._path(parents, node)[:-1]:
-                    rows_mask[j, self._node_rows[anc]] = True
-                rows_mask[j, start + j] = True
-            out = self._run([tokens[n] for n in frontier], [self._base + d - 1] * len(frontier), rows_mask)
+            ancestors = [[self._node_rows[a] for a in path_to(parents, n)[:-1]] for n in frontier]
+            out = self._run([tokens[n] for n in frontier], [self._base + d - 1] * len(frontier),
+                            tree_mask(self._base, ancestors, start))
             for j, node in enumerate(frontier):
                 self._node_rows[node] = start + j
-            new_frontier = []
-            for j, node in enumerate(frontier):
-                path = [tokens[a] for a in self._path(parents, node)]
-                q = process_logits(out[j], params, context + path, ctx.mask(path))
-                t = int(np.argmax(q)) if params.greedy else sample(q, ctx.rng)
-                new_frontier.append(len(tokens))
-                tokens.append(t)
-                parents.append(node)
-                qs.append(q)
-            frontier = new_frontier
-        tree = DraftTree(tokens=np.asarray(tokens, np.int64), parents=np.asarray(parents, np.int64),
-                         q=None if deterministic else np.stack(qs),
-                         deterministic=np.full(len(tokens), deterministic))
-        return tree
+            return out
 
-    @staticmethod
-    def _path(parents: Sequence[int], node: int) -> List[int]:
-        path = []
-        while node != -1:
-            path.append(node)
-            node = parents[node]
-        return path[::-1]
+        return grow_chains(ctx, context, logits, self.branching, depth, self.sibling_rule, run)
 
     def accept(self, accepted_nodes, committed, taps) -> None:
         if not self._proposed:  # the engine verified no tree this cycle (one token left): the cache stands as is

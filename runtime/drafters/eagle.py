@@ -29,15 +29,15 @@ from runtime.backends.factory import load_weights
 from runtime.backends.numpy_ref import cache_shape
 from runtime.backends.onnx_net import OnnxNet
 from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec
-from runtime.drafters.shared import pick_children
+from runtime.drafters.shared import grow_chains, ranking_params, tree_mask
 from runtime.errors import BundleError
 from runtime.memory import plan as memory_plan
 from runtime.memory.kv import KVCache
 from runtime.model.layers import causal_mask, decoder_layer, rms_norm, rope_cos_sin, rope_inv_freq
 from runtime.model.spec import ModelSpec
-from runtime.sampling import process_logits, sample
+from runtime.sampling import process_logits
 from runtime.siblings import top_k
-from runtime.tree import DraftTree, empty_tree
+from runtime.tree import DraftTree, empty_tree, path_to
 
 LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
@@ -279,57 +279,33 @@ class EagleDrafter(Drafter):
             return self._dynamic(ctx, tokens, h_root, root_logits, room)
         return self._chains(ctx, tokens, h_root, root_logits, room)
 
-    def _tree_mask(self, ancestors_rows: List[List[int]], start: int) -> np.ndarray:
-        """Rows run at `start`.. each see the committed rows, their ancestors' rows and themselves."""
-        m = np.zeros((len(ancestors_rows), start + len(ancestors_rows)), bool)
-        m[:, :self.committed_rows] = True
-        for j, rows in enumerate(ancestors_rows):
-            m[j, rows] = True
-            m[j, start + j] = True
-        return m
-
     def _chains(self, ctx: DraftContext, tokens: List[int], h_root, root_logits, room: int) -> DraftTree:
         b = self.branching
         depth = min(self.k, ctx.max_nodes // b, 1 + room // b)
         if depth <= 0:
             return empty_tree()
-        params = ctx.params
-        mask0 = ctx.mask(())  # the request's grammar, applied to q exactly as to p
-        q0 = process_logits(root_logits, params, tokens, mask0)
-        firsts = pick_children(root_logits, q0, params, tokens, b, ctx.rng, self.sibling_rule, mask0)
-        deterministic = firsts.deterministic
-        out_tokens: List[int] = firsts.tokens.tolist()
-        parents: List[int] = [-1] * len(out_tokens)
-        qs: List[np.ndarray] = [q0] * len(out_tokens) if deterministic else list(firsts.proposals)
-        frontier = list(range(len(out_tokens)))  # each chain's last node
         hidden = {-1: h_root[0]}  # node -> h' of the row that predicted its children
         rows: Dict[int, int] = {}  # node -> its temporary cache row
         root_pos = len(tokens) - 1
-        for d in range(1, depth):
+
+        def run(frontier: List[int], out_tokens: List[int], parents: List[int], d: int) -> np.ndarray:
+            """The frontier (one node per chain, depth d) on its parents' h' in one step under the tree mask."""
             start = self.cache.length
-            anc = [[rows[a] for a in self._path(parents, n)[:-1]] for n in frontier]
+            anc = [[rows[a] for a in path_to(parents, n)[:-1]] for n in frontier]
             feats = np.stack([hidden[parents[n]] for n in frontier])
             out, logits = self._step(feats, [out_tokens[n] for n in frontier], np.full(len(frontier), root_pos + d - 1),
-                                     self._tree_mask(anc, start))
-            new_frontier = []
+                                     tree_mask(self.committed_rows, anc, start))
             for j, node in enumerate(frontier):
                 rows[node] = start + j
                 hidden[node] = out[j]
-                path = [out_tokens[a] for a in self._path(parents, node)]
-                q = process_logits(logits[j], params, tokens + path, ctx.mask(path))
-                t = int(np.argmax(q)) if params.greedy else sample(q, ctx.rng)
-                new_frontier.append(len(out_tokens))
-                out_tokens.append(t)
-                parents.append(node)
-                qs.append(q)
-            frontier = new_frontier
-        return DraftTree(tokens=np.asarray(out_tokens, np.int64), parents=np.asarray(parents, np.int64),
-                         q=None if deterministic else np.stack(qs), deterministic=np.full(len(out_tokens), deterministic))
+            return logits
+
+        return grow_chains(ctx, tokens, root_logits, b, depth, self.sibling_rule, run)
 
     def _dynamic(self, ctx: DraftContext, tokens: List[int], h_root, root_logits, room: int) -> DraftTree:
         tree = replace(self.tree, depth=min(self.tree.depth, 1 + room // self.tree.top_k))
         # Rank by the drafter's processed distribution (greedy: at temperature 1); the picks are point masses.
-        rank = replace(ctx.params, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) if ctx.params.greedy else ctx.params
+        rank = ranking_params(ctx.params)
         hidden = {-1: h_root[0]}  # node -> h' of the row that predicted its children
         rows: Dict[int, int] = {}  # node -> its temporary cache row
 
@@ -339,10 +315,11 @@ class EagleDrafter(Drafter):
 
         def expand(frontier: List[int], toks: List[int], pars: List[int]) -> List[np.ndarray]:
             start = self.cache.length
-            paths = [self._path(pars, n) for n in frontier]
+            paths = [path_to(pars, n) for n in frontier]
             out, logits = self._step(np.stack([hidden[pars[n]] for n in frontier]), [toks[n] for n in frontier],
                                      np.asarray([len(tokens) - 2 + len(path) for path in paths]),
-                                     self._tree_mask([[rows[a] for a in path[:-1]] for path in paths], start))
+                                     tree_mask(self.committed_rows, [[rows[a] for a in path[:-1]] for path in paths],
+                                               start))
             res = []
             for j, (n, path) in enumerate(zip(frontier, paths)):
                 rows[n] = start + j
@@ -354,14 +331,6 @@ class EagleDrafter(Drafter):
         if not toks:
             return empty_tree()
         return DraftTree(tokens=np.asarray(toks, np.int64), parents=np.asarray(pars, np.int64))
-
-    @staticmethod
-    def _path(parents: Sequence[int], node: int) -> List[int]:
-        path = []
-        while node != -1:
-            path.append(node)
-            node = parents[node]
-        return path[::-1]
 
 
 # -- built from a bundle entry ------------------------------------------------------------------

@@ -19,19 +19,20 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
 from runtime.backends.factory import load_weights
 from runtime.backends.onnx_net import OnnxNet
 from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec
+from runtime.drafters.shared import ranking_params
 from runtime.errors import BundleError
 from runtime.memory.plan import DrafterMemory, entry_numel
 from runtime.sampling import process_logits
 from runtime.siblings import top_k
-from runtime.tree import DraftTree, empty_tree
+from runtime.tree import DraftTree, empty_tree, path_to
 
 KEY = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
 TREES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "medusa_trees.json")
@@ -197,7 +198,7 @@ class MedusaDrafter(Drafter):
     def _greedy(self, logits: np.ndarray, ctx: DraftContext) -> DraftTree:
         """Depth d's candidates: head d-1's top-k, ranked by its distribution at temperature 1 under the request's
         mask and penalty (point masses, so the ranking never affects exactness)."""
-        soft = replace(ctx.params, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+        soft = ranking_params(ctx.params)
         cands = [top_k(process_logits(logits[d], soft, ctx.tokens), self.top[d]).tokens for d in range(len(logits))]
         index: Dict[Tuple[int, ...], int] = {}
         tokens, parents = [], []
@@ -238,7 +239,7 @@ class MedusaDrafter(Drafter):
                 if history_free:
                     q = shared[d]
                 else:
-                    q = process_logits(logits[d], params, list(ctx.tokens) + [tokens[i] for i in self._path(parents, index[parent])])
+                    q = process_logits(logits[d], params, list(ctx.tokens) + [tokens[i] for i in path_to(parents, index[parent])])
                 drawn[parent] = self.sibling_rule(q, self.width[parent], ctx.rng)
             sib = drawn[parent]
             if p[-1] >= len(sib.tokens):
@@ -251,14 +252,6 @@ class MedusaDrafter(Drafter):
             return empty_tree()
         return DraftTree(tokens=np.asarray(tokens, np.int64), parents=np.asarray(parents, np.int64),
                          q=np.stack(qs), deterministic=np.zeros(len(tokens), bool))
-
-    @staticmethod
-    def _path(parents: Sequence[int], node: int) -> List[int]:
-        path = []
-        while node != -1:
-            path.append(node)
-            node = parents[node]
-        return path[::-1]
 
 
 # -- built from a bundle entry ------------------------------------------------------------------

@@ -36,13 +36,14 @@ from runtime.backends.factory import load_weights
 from runtime.backends.onnx_net import OnnxNet
 from runtime.config import BackendConfig
 from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec, draft_cache_shapes
+from runtime.drafters.shared import pick
 from runtime.errors import BundleError
 from runtime.memory.kv import CacheShape, KVArena, KVCache
 from runtime.memory.plan import DrafterMemory, entry_numel, target_embedding_copy_bytes
 from runtime.model.layers import (causal_mask, decoder_layer, decoder_layer_weight_names, rms_norm, rope_cos_sin,
                             rope_inv_freq)
 from runtime.model.spec import ModelSpec
-from runtime.sampling import process_logits, sample
+from runtime.sampling import process_logits
 from runtime.tree import DraftTree, empty_tree
 
 # The graph of one module (export/drafters/mtp_onnx.py); T new rows, P past rows of the module's own cache.
@@ -291,8 +292,7 @@ class MTPDrafter(Drafter):
                 h_last, logits = self.modules[-1].run(h_last, [drafted[-1]], n - 2 + j - len(self.modules) + 1)
                 h_last = h_last[-1:]
             q = process_logits(logits, ctx.params, seq, ctx.mask(drafted))
-            x = int(np.argmax(q)) if ctx.params.greedy else sample(q, ctx.rng)
-            drafted.append(x)
+            drafted.append(pick(q, ctx.params, ctx.rng))
             qs.append(q)
         if not drafted:
             return empty_tree()
