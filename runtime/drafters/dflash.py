@@ -25,7 +25,7 @@ from runtime.backends.factory import load_weights
 from runtime.backends.numpy_ref import cache_shape
 from runtime.backends.onnx_net import OnnxNet
 from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec
-from runtime.drafters.shared import pick, ranking_params
+from runtime.drafters.shared import pick, ranking_params, run_on_cache
 from runtime.errors import BundleError
 from runtime.memory import plan as memory_plan
 from runtime.memory.kv import KVCache
@@ -275,14 +275,7 @@ class DFlashDrafter(Drafter):
         if self.net is not None and c > 0 and block_size > 1:  # (ORT and zero-row inputs: numpy takes those)
             feeds = {"context": fused.astype(np.float32), "block": x, "context_cos": cos_c, "context_sin": sin_c,
                      "block_cos": cos_b, "block_sin": sin_b}
-            for i in range(spec.num_layers):
-                feeds[f"past_key_{i}"] = self.cache.k[:start, i]
-                feeds[f"past_value_{i}"] = self.cache.v[:start, i]
-            got = self.net.run(feeds)
-            for i in range(spec.num_layers):
-                self.cache.k[start:start + c, i] = got[f"new_key_{i}"]
-                self.cache.v[start:start + c, i] = got[f"new_value_{i}"]
-            out = got["hidden"]
+            out = run_on_cache(self.net, feeds, self.cache, c, layers=spec.num_layers)["hidden"]  # context rows only
         else:
             ctx = rms_norm(fused.astype(np.float32) @ self.w["fc.weight"].T, self.w["hidden_norm.weight"], eps)
             for i in range(spec.num_layers):

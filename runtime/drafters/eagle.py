@@ -29,7 +29,7 @@ from runtime.backends.factory import load_weights
 from runtime.backends.numpy_ref import cache_shape
 from runtime.backends.onnx_net import OnnxNet
 from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec
-from runtime.drafters.shared import grow_chains, ranking_params, tree_mask
+from runtime.drafters.shared import grow_chains, ranking_params, run_on_cache, tree_mask
 from runtime.errors import BundleError
 from runtime.memory import plan as memory_plan
 from runtime.memory.kv import KVCache
@@ -232,12 +232,11 @@ class EagleDrafter(Drafter):
             return out, self._logits(out[-1:] if last_only else out)
         t, start = len(tokens), self.cache.length
         self.cache.check_room(t)
-        got = self.net.run({"input_ids": np.asarray(tokens, np.int64), "features": np.asarray(features, np.float32),
-                            "position_ids": np.asarray(positions, np.int64),
-                            "attention_mask": np.where(mask, np.float32(0.0), np.float32(-np.inf)),
-                            "past_key": self.cache.k[:start, 0], "past_value": self.cache.v[:start, 0]})
-        self.cache.k[start:start + t, 0] = got["new_key"]
-        self.cache.v[start:start + t, 0] = got["new_value"]
+        got = run_on_cache(self.net, {"input_ids": np.asarray(tokens, np.int64),
+                                      "features": np.asarray(features, np.float32),
+                                      "position_ids": np.asarray(positions, np.int64),
+                                      "attention_mask": np.where(mask, np.float32(0.0), np.float32(-np.inf))},
+                           self.cache, t)
         self.cache.length = start + t
         logits = got["logits"]
         return got["hidden"], self._to_target(logits[-1:] if last_only else logits)

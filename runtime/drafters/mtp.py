@@ -36,7 +36,7 @@ from runtime.backends.factory import load_weights
 from runtime.backends.onnx_net import OnnxNet
 from runtime.config import BackendConfig
 from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec, draft_cache_shapes
-from runtime.drafters.shared import pick
+from runtime.drafters.shared import pick, run_on_cache
 from runtime.errors import BundleError
 from runtime.memory.kv import CacheShape, KVArena, KVCache
 from runtime.memory.plan import DrafterMemory, entry_numel, target_embedding_copy_bytes
@@ -168,13 +168,10 @@ class MTPModule:
         mask = np.zeros((t, start + t), np.float32)  # causal over the new rows, all of the past
         if t > 1:
             mask[:, start:][np.triu_indices(t, 1)] = -np.inf
-        k, v = self.cache.k[:, 0], self.cache.v[:, 0]  # (max_pos, nkv, d): rows [0, start) are one block
-        got = self.net.run({"hidden": np.asarray(hidden, np.float32),
-                            "input_ids": np.asarray(next_tokens, np.int64),
-                            "position_ids": np.arange(start_pos, start_pos + t, dtype=np.int64),
-                            "attention_mask": mask, "past_key": k[:start], "past_value": v[:start]})
-        k[start:start + t] = got["new_key"]
-        v[start:start + t] = got["new_value"]
+        got = run_on_cache(self.net, {"hidden": np.asarray(hidden, np.float32),
+                                      "input_ids": np.asarray(next_tokens, np.int64),
+                                      "position_ids": np.arange(start_pos, start_pos + t, dtype=np.int64),
+                                      "attention_mask": mask}, self.cache, t)
         return got["hidden_out"], got["logits"][-1]
 
 
