@@ -64,11 +64,7 @@ class DraftTree:
         """Node indices from depth 1 down to node i, root excluded. Example (tree above): path(3) = [1, 3]."""
         if not 0 <= i < len(self):
             raise IndexError(f"node {i} out of range for a tree of {len(self)} nodes")
-        out = []
-        while i >= 0:
-            out.append(i)
-            i = int(self.parents[i])
-        return out[::-1]
+        return path_to(self.parents, i)
 
     def validate(self) -> None:
         """Raise ValueError naming the first inconsistency; a drafter calls this in its tests, not per cycle."""
@@ -109,6 +105,16 @@ class DraftTree:
         if zero.size:
             i = int(sampled[zero[0]])
             raise ValueError(f"node {i} was marked sampled but q gives its token {int(self.tokens[i])} probability 0")
+
+
+def path_to(parents: Sequence[int], i: int) -> List[int]:
+    """`DraftTree.path` on a tree still being built (its parents list so far): node indices from depth 1 down to
+    node i. Example: parents (-1, -1, 0, 1) -> path_to(parents, 3) = [1, 3]."""
+    out = []
+    while i >= 0:
+        out.append(i)
+        i = int(parents[i])
+    return out[::-1]
 
 
 def chain(tokens: Sequence[int], q: Optional[np.ndarray] = None) -> DraftTree:

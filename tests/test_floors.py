@@ -31,6 +31,7 @@ FLOORS = {"runtime.errors": 0, "runtime.config": 0, "runtime.verify": 0, "runtim
           "runtime.drafters": 5, "runtime.decode": 6, "runtime.certify": 7, "runtime.serving": 8,
           "runtime.commands": 9, "runtime.cli": 9}
 SHARED_DRAFTER_MODULES = {"runtime.drafters.base", "runtime.drafters.shared"}
+DRAFTER_REGISTRY = "runtime.drafters.registry"  # the one module that lists (imports) every drafter kind
 
 
 def _modules(package: str) -> Dict[str, str]:
@@ -126,8 +127,17 @@ def test_drafters_never_import_one_another():
     graph = _graph("runtime")
     crossing = [f"{m} imports {d}" for m, deps in sorted(graph.items()) if m.startswith("runtime.drafters.")
                 for d in sorted(deps) if d.startswith("runtime.drafters.") and d not in SHARED_DRAFTER_MODULES
-                and m not in SHARED_DRAFTER_MODULES and d != "runtime.drafters"]
+                and m not in SHARED_DRAFTER_MODULES | {DRAFTER_REGISTRY} and d != "runtime.drafters"]
     assert crossing == []
+
+
+def test_only_the_registry_lists_the_drafter_kinds():
+    # the kinds are reached through the registry from above; a shared module importing a kind (or the registry)
+    # would let one drafter reach another through it
+    graph = _graph("runtime")
+    kinds = {m for m in graph if m.startswith("runtime.drafters.") and m not in SHARED_DRAFTER_MODULES | {DRAFTER_REGISTRY}}
+    assert [f"{m} imports {d}" for m in sorted(SHARED_DRAFTER_MODULES | kinds) for d in sorted(graph[m])
+            if d == DRAFTER_REGISTRY or (m in SHARED_DRAFTER_MODULES and d in kinds)] == []
 
 
 @pytest.mark.parametrize("packages", [("runtime",), ("export", "runtime")])

@@ -165,8 +165,9 @@ def bundle_heads(bundle, target_weights) -> Dict[str, Tuple[EagleDrafter, Tuple[
     """One numpy drafter per distinct EAGLE head of a bundle -> (drafter, the entries that share its weights):
     eagle and eagle2 (the same weights with a dynamic tree, possibly in two files) share one graph."""
     from runtime.backends.numpy_ref import cache_shape
+    from runtime.config import BackendConfig
+    from runtime.drafters.registry import build_drafter
     from runtime.memory.kv import KVArena
-    from runtime.serving.session import build_eagle
 
     heads: Dict[str, Tuple[EagleDrafter, Tuple[str, ...]]] = {}
     by_files: Dict[Tuple, str] = {}
@@ -180,7 +181,8 @@ def bundle_heads(bundle, target_weights) -> Dict[str, Tuple[EagleDrafter, Tuple[
             heads[first] = (heads[first][0], heads[first][1] + (name,))
             continue
         arena = KVArena.for_context({"draft": cache_shape(entry.spec)}, 80)
-        drafter = build_eagle(name, entry, bundle, arena, 16, 4, 1, target_weights)
+        # numpy: the oracle the graph is checked against
+        drafter = build_drafter(name, bundle, BackendConfig(kind="numpy_ref"), arena, 16, 4, 1, target_weights)
         by_files[key] = name
         heads[name] = (drafter, (name,))
     return heads

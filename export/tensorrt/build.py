@@ -29,6 +29,7 @@ from dataclasses import replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from runtime.model import bundle as bundle_mod
+from runtime.drafters import registry
 from runtime.memory import plan as memory
 from runtime.backends.tensorrt import import_cudart, import_tensorrt, machine_facts
 from runtime.backends.tensorrt_plan import KV_LAYOUT, Profile, engine_profiles, profiles_to_params
@@ -100,7 +101,7 @@ def context_rows(bundle, max_context: Optional[int], budget: Optional[int], veri
         max_context = 2048  # memory.max_context's default
     if budget is not None:
         # The engines keep the ONNX graph's precision; the process carries a CUDA context and TensorRT's runtime.
-        inputs = replace(memory.bundle_inputs(bundle, bundle.default_drafter, "onnx", verify_tokens),
+        inputs = replace(registry.plan_inputs(bundle, bundle.default_drafter, "onnx", verify_tokens),
                          overhead_bytes=memory.RUNTIME_OVERHEAD["tensorrt"])
         fit = memory.max_context(inputs, budget)
         if fit < memory.MIN_CONTEXT:

@@ -19,6 +19,7 @@ from runtime.decode.engine import Engine, StopCheck
 from runtime.errors import ConfigError
 from runtime.sampling import SamplingParams, process_logits, sample
 from runtime.siblings import Siblings
+from runtime.tree import path_to
 from runtime.certify.stat_tests import chi_square_gof
 from runtime.verify import VerifyResult, residual
 
@@ -106,11 +107,7 @@ class MemoModel:
         return node
 
     def _path(self, node: int) -> List[int]:
-        nodes = []
-        while node >= 0:
-            nodes.append(node)
-            node = self._parent[node]
-        return nodes[::-1]
+        return path_to(self._parent, node)
 
     def _compute(self, nodes: Sequence[int]) -> None:
         """Run the wrapped model once, from an empty cache, on the union of the paths of `nodes` laid out
@@ -257,8 +254,8 @@ def memoise_session(session) -> MemoModel:
     taps = session.drafter.target_taps if session.drafter else ()
     target = MemoModel(session.target, taps)
     session.engine.target = target
-    if session.drafter is not None and hasattr(session.drafter, "model"):
-        session.drafter.model = MemoModel(session.drafter.model)
+    if session.drafter is not None:
+        session.drafter.wrap_models(MemoModel)
     return target
 
 
@@ -326,7 +323,7 @@ def choose_contexts(session, seeds: Sequence[Tuple[str, str]], params: SamplingP
     keep the best prefix, and the best one whose next token (the root) is near-certain (p >= near_certain)
     — where the target barely hesitates before the token the drafter branches on."""
     target = memoise_session(session)
-    width = max(1, int(getattr(session.drafter, "branching", 1)))
+    width = max(1, session.drafter.branching)
     rng = np.random.default_rng([seed, 7])
     best: Dict[Tuple[str, str], Tuple[float, List[int]]] = {}
     for domain, text in seeds:

@@ -92,7 +92,7 @@ def check_args(args) -> None:
 
 
 def tree_widths(arg: str, configured: int, drafter) -> List[int]:
-    if getattr(drafter, "fixed_shape", False):  # e.g. Medusa: the tree is its choice list, tested as it is
+    if drafter.fixed_shape:  # e.g. Medusa: the tree is its choice list, tested as it is
         if arg not in ("auto", "none"):
             raise ConfigError(f"--trees: the drafter {drafter.kind!r} drafts the tree its own data gives (widest node "
                               f"{drafter.branching}); use --trees auto")
@@ -100,7 +100,7 @@ def tree_widths(arg: str, configured: int, drafter) -> List[int]:
     if arg == "none":
         extra: List[int] = []
     elif arg == "auto":
-        extra = [2, 3] if getattr(drafter, "builds_sampled_trees", False) else []
+        extra = [2, 3] if drafter.builds_sampled_trees else []
     else:
         try:
             extra = [int(x) for x in arg.split(",") if x.strip()]
@@ -108,8 +108,8 @@ def tree_widths(arg: str, configured: int, drafter) -> List[int]:
             raise ConfigError(f"--trees: got {arg!r}, expected 'auto', 'none' or branchings like 2,3") from None
         if any(not 1 <= b <= 16 for b in extra):
             raise ConfigError(f"--trees: got {arg!r}, each branching must be in 1..16")
-        if extra and not hasattr(drafter, "branching"):
-            raise ConfigError(f"--trees: the drafter {getattr(drafter, 'kind', 'none')!r} does not build trees; "
+        if extra and not drafter.takes_branching:
+            raise ConfigError(f"--trees: the drafter {drafter.kind!r} does not build trees; "
                               "use --trees none")
     return sorted({configured, *extra})
 
@@ -174,11 +174,11 @@ class DrawProgress:
 
 def run_configuration(session, args, params: SamplingParams, width: int) -> str:
     drafter = session.drafter
-    if getattr(drafter, "fixed_shape", False):
+    if drafter.fixed_shape:
         shape = f"its own tree (widest node {width})"
     else:
-        if hasattr(drafter, "branching"):
-            drafter.branching = width
+        if drafter.takes_branching:
+            drafter.set_branching(width)
         shape = "chain" if width == 1 else f"tree, branching {width}"
     t0 = time.perf_counter()
     if args.context:

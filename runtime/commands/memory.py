@@ -133,9 +133,10 @@ def plan_inputs(args) -> Tuple[memory.PlanInputs, Dict[str, memory.PlanInputs]]:
         elif args.backend != "onnx" and precision != "auto":
             raise ConfigError(f"--precision {precision}: with --bundle it picks an ONNX graph (--backend onnx) or "
                               f"a GGUF quant (--backend gguf); a {args.backend} entry has one precision, its own")
-        choices = {d: memory.bundle_inputs(b, d, args.backend, args.num_draft + 1, precision)
+        from runtime.drafters import registry
+        choices = {d: registry.plan_inputs(b, d, args.backend, args.num_draft + 1, precision)
                    for d in ["none", *b.drafters]}
-        return memory.bundle_inputs(b, drafter, args.backend, args.num_draft + 1, precision), choices
+        return registry.plan_inputs(b, drafter, args.backend, args.num_draft + 1, precision), choices
     _positive("--prefill-chunk", args.prefill_chunk)
     draft = memory.read_hf_config(args.drafter_config) if args.drafter_config else None
     precision = args.precision or "fp16"

@@ -179,7 +179,7 @@ class Engine:
         finish = self._emit([first], out, max_tokens, on_tokens)
         if self.drafter is not None:
             td = time.perf_counter()
-            self.drafter.begin(prompt, taps, start=start) if start else self.drafter.begin(prompt, taps)
+            self.drafter.begin(prompt, taps, start=start)
             stats.draft_s += time.perf_counter() - td
 
         while finish is None:

@@ -15,10 +15,14 @@ A cycle, seen from the drafter:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from runtime.backends.factory import load_weights
+from runtime.config import BackendConfig
+from runtime.memory.kv import CacheShape, KVArena
+from runtime.memory.plan import DrafterMemory
 from runtime.sampling import SamplingParams
 from runtime.siblings import draw_siblings
 from runtime.tree import DraftTree
@@ -51,6 +55,10 @@ class DraftContext:
 class Drafter:
     kind: str = "base"
     target_taps: Tuple[str, ...] = ()  # target hidden taps the drafter reads; the engine requests them
+    # The tree's width: children of the root (a drafter whose tree is its own data reports its widest node).
+    # 1 = a chain. Certify sizes its power control by it.
+    branching: int = 1
+    takes_branching: bool = False  # True where `branching` is a knob of the drafter (certify re-sets it)
     # How a tree-building drafter samples several children of one node (runtime/siblings.py). Drafters
     # must take sampled siblings only through this, so that each node's q is what the verifier needs.
     sibling_rule: Callable = staticmethod(draw_siblings)
@@ -63,7 +71,17 @@ class Drafter:
         """A new request: the target has just prefilled `prompt`. With `start` > 0 (only after
         `reusable_prefix` allowed it) the target kept its rows [0, start) from the previous request (the
         same tokens at the same positions) and ran the rest: taps rows align with prompt[start:]. The
-        engine passes `start` only when it is > 0."""
+        engine always passes `start` (0 = a fresh request)."""
+
+    def set_branching(self, width: int) -> None:
+        """Draft trees `width` wide from the next proposal on (certify tests several widths on one session)."""
+        if not self.takes_branching:
+            raise ValueError(f"drafter {self.kind!r} has no branching to set (its trees are its own)")
+        self.branching = int(width)
+
+    def wrap_models(self, wrap: Callable) -> None:
+        """Replace each model the drafter runs like a target (a draft model) by wrap(model): certify memoises
+        them. Drafters with heads of their own run no such model: nothing to do."""
 
     def reusable_prefix(self, n: int) -> int:
         """The target could keep its first `n` cache rows from the previous request (prompt prefix cache):
@@ -85,3 +103,63 @@ class Drafter:
     def memory_bytes(self) -> int:
         """Bytes the drafter holds beyond the shared KV arena (weights)."""
         return 0
+
+
+# -- how a drafter kind is built from a bundle entry (runtime/drafters/registry.py lists the kinds) ------------
+
+@dataclass
+class DrafterBuild:
+    """What building one drafter needs: the bundle entry and the session's arena, backend and flags."""
+    name: str  # the entry's name in bundle.yaml (eagle3_chain, dflash_b8, ...; "ngram" may have no entry)
+    entry: Any  # runtime.model.bundle.DrafterEntry, or None (an n-gram drafter without an entry)
+    bundle: Any  # runtime.model.bundle.Bundle
+    backend: BackendConfig
+    arena: KVArena
+    max_positions: int  # context rows of the target's cache
+    num_tokens: int  # draft depth (drafter.num_tokens)
+    branching: int  # drafter.branching
+    target_weights: Optional[Mapping[str, np.ndarray]] = None  # the target's numpy weights, when loaded already
+
+    @property
+    def source(self) -> str:
+        return f"{self.bundle.root}: drafters.{self.name}"
+
+    def target_numpy_weights(self) -> Mapping[str, np.ndarray]:
+        if self.target_weights is not None:
+            return self.target_weights
+        return load_weights(self.bundle, self.bundle.target_files("numpy_ref").files)
+
+    def embed_and_head(self) -> Tuple[np.ndarray, np.ndarray]:
+        """The target's embedding (V, H) and LM head (V, H) as float32 (the head is the embedding when tied)."""
+        target_w = self.target_numpy_weights()
+        embed = np.ascontiguousarray(target_w["model.embed_tokens.weight"], np.float32)
+        tied = self.bundle.target.spec.tie_word_embeddings
+        return embed, embed if tied else np.ascontiguousarray(target_w["lm_head.weight"], np.float32)
+
+
+def draft_cache_shapes(entry, params, target_spec) -> Dict[str, CacheShape]:
+    """The cache of a drafter with decoder layers of its own (entry.spec): one row per position, its shape."""
+    if entry is None or entry.spec is None:
+        return {}
+    return {"draft": CacheShape(entry.spec.num_layers, entry.spec.num_kv_heads, entry.spec.head_dim)}
+
+
+def split_chains_tree_tokens(params, num_tokens: int, branching: int) -> int:
+    """Tokens of the largest verify forward: `branching` chains of `num_tokens`, plus the root."""
+    return num_tokens * branching + 1
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """One drafter kind as the rest of the runtime sees it; each runtime/drafters/<name>.py declares its SPEC.
+
+    Session builds drafters, the memory plan sizes them and certify tests them through these functions only,
+    so that nothing outside a drafter's own file switches on its kind."""
+    kinds: Tuple[str, ...]  # the bundle entry kinds it builds (bundle.yaml drafters.<name>.kind)
+    params: Callable[[Mapping, str], Any]  # entry.params, "where" -> the kind's typed params dataclass
+    build: Callable[[DrafterBuild, Any], Drafter]  # (build, params) -> the drafter
+    # bundle entry -> bytes the drafter holds beyond the target (runtime/memory/plan.py DrafterMemory)
+    memory: Callable[[Any, Any, Any, str], DrafterMemory]  # (bundle, entry, params, backend kind)
+    cache_shapes: Callable[[Any, Any, Any], Dict[str, CacheShape]] = draft_cache_shapes  # (entry, params, target spec)
+    tree_tokens: Callable[[Any, int, int], int] = split_chains_tree_tokens  # (params, num_tokens, branching)
+    needs_entry: bool = True  # False: the kind runs with default params when the bundle has no entry for it

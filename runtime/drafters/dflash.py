@@ -21,12 +21,17 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from runtime.drafters.base import DraftContext, Drafter
+from runtime.backends.factory import load_weights
+from runtime.backends.numpy_ref import cache_shape
+from runtime.backends.onnx_net import OnnxNet
+from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec
+from runtime.drafters.shared import pick, ranking_params, run_on_cache
 from runtime.errors import BundleError
+from runtime.memory import plan as memory_plan
 from runtime.memory.kv import KVCache
 from runtime.model.layers import apply_rope, attention, rms_norm, rope_cos_sin, rope_inv_freq, silu
 from runtime.model.spec import ModelSpec
-from runtime.sampling import process_logits, sample
+from runtime.sampling import process_logits
 from runtime.tree import DraftTree, empty_tree
 
 LAYER_KEYS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
@@ -195,8 +200,8 @@ class DFlashDrafter(Drafter):
         self.cache.reset()
         self.pending = []
 
-    def begin(self, prompt: Sequence[int], taps: Dict[str, np.ndarray]) -> None:
-        self.reset()
+    def begin(self, prompt: Sequence[int], taps: Dict[str, np.ndarray], start: int = 0) -> None:
+        self.reset()  # (start is always 0: reusable_prefix keeps nothing)
         self._take(taps)
 
     def accept(self, accepted_nodes, committed, taps) -> None:
@@ -270,14 +275,7 @@ class DFlashDrafter(Drafter):
         if self.net is not None and c > 0 and block_size > 1:  # (ORT and zero-row inputs: numpy takes those)
             feeds = {"context": fused.astype(np.float32), "block": x, "context_cos": cos_c, "context_sin": sin_c,
                      "block_cos": cos_b, "block_sin": sin_b}
-            for i in range(spec.num_layers):
-                feeds[f"past_key_{i}"] = self.cache.k[:start, i]
-                feeds[f"past_value_{i}"] = self.cache.v[:start, i]
-            got = self.net.run(feeds)
-            for i in range(spec.num_layers):
-                self.cache.k[start:start + c, i] = got[f"new_key_{i}"]
-                self.cache.v[start:start + c, i] = got[f"new_value_{i}"]
-            out = got["hidden"]
+            out = run_on_cache(self.net, feeds, self.cache, c, layers=spec.num_layers)["hidden"]  # context rows only
         else:
             ctx = rms_norm(fused.astype(np.float32) @ self.w["fc.weight"].T, self.w["hidden_norm.weight"], eps)
             for i in range(spec.num_layers):
@@ -303,7 +301,7 @@ class DFlashDrafter(Drafter):
             drafted, qs = [], []
             for t in range(n):
                 q = process_logits(logits[t], ctx.params, list(tokens) + drafted, ctx.mask(drafted))
-                drafted.append(int(np.argmax(q)) if ctx.params.greedy else sample(q, ctx.rng))
+                drafted.append(pick(q, ctx.params, ctx.rng))
                 qs.append(q)
         greedy = ctx.params.greedy
         return DraftTree(tokens=np.asarray(drafted, np.int64), parents=np.arange(-1, len(drafted) - 1, dtype=np.int64),
@@ -337,7 +335,7 @@ class DFlashDrafter(Drafter):
         drafted: List[int] = []
         qs: List[np.ndarray] = []
         walk = []
-        soft_params = replace(params, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) if params.greedy else params
+        soft_params = ranking_params(params)
         for t in range(logits.shape[0]):
             p_t = process_logits(logits[t], soft_params, tokens + drafted, ctx.mask(drafted))
             live = np.flatnonzero(p_t > 0)
@@ -351,10 +349,7 @@ class DFlashDrafter(Drafter):
             cond = np.exp(scores)
             cond /= cond.sum(axis=1, keepdims=True)  # row a: q_t(. | a) over C_t
             row = cond[a_index]
-            if params.greedy:
-                j = int(np.argmax(row))
-            else:
-                j = int(sample(row, ctx.rng))
+            j = pick(row, params, ctx.rng)
             q = np.zeros(logits.shape[1])
             q[cands] = row
             qs.append(q)
@@ -363,3 +358,40 @@ class DFlashDrafter(Drafter):
             prev_cands, a_index = cands, j
         self.last_walk = walk
         return drafted, qs
+
+
+# -- built from a bundle entry ------------------------------------------------------------------
+
+def build(b: DrafterBuild, params: DFlashParams) -> DFlashDrafter:
+    bundle, entry, backend = b.bundle, b.entry, b.backend
+    where = f"{bundle.path('bundle.yaml')}: drafters.{b.name}"
+    if entry.spec is None:
+        raise BundleError(f"{where}.spec: missing (the draft layers' shape); rebuild with `edgespec bundle --target DIR --dflash DIR --out DIR`")
+    weights = load_weights(bundle, entry.files)
+    embed, head = b.embed_and_head()
+    # the context rows plus one block of temporary rows
+    cache = b.arena.allocate("draft", cache_shape(entry.spec), b.max_positions + params.block_size)
+    net = None
+    if backend.kind == "onnx" and "onnx" in entry.backends:  # the block forward as a graph, else numpy
+        net = OnnxNet(bundle.path(entry.backends["onnx"].files[0]), backend.providers, backend.threads,
+                      label=f"drafter {b.name}")
+    return DFlashDrafter(entry.spec, params, weights, embed, head, cache, source=where, net=net)
+
+
+def memory(bundle, entry, p: DFlashParams, backend: str) -> memory_plan.DrafterMemory:
+    """float32 numpy layers on the target's embedding and head (own copies beside an ONNX target); fc reads the
+    fused target taps; DFlash-2's selector codebooks and local-mixing kernels come on top."""
+    if entry.spec is None:
+        return memory_plan.NO_DRAFTER
+    spec = bundle.target.spec
+    taps = len(p.target_layer_ids) or 1
+    draft = replace(memory_plan.dims_from_spec(entry.spec), own_embedding=False, head_rows=0,
+                    fusion_in=taps * spec.hidden_size)
+    extra = 4 * max(0, memory_plan.entry_numel(bundle, entry) - draft.body_params())
+    if backend != "numpy_ref":
+        extra += memory_plan.target_embedding_copy_bytes(spec)
+    return memory_plan.DrafterMemory(draft, "fp32", extra)
+
+
+SPEC = DrafterSpec(kinds=("dflash", "dflash2"), params=DFlashParams.from_dict,
+                   build=build, memory=memory)

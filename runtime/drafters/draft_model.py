@@ -8,20 +8,25 @@ cache holds and the context is kept and only the rest (usually the root plus a t
 The same rule carries the draft cache across requests when the target reuses a prompt prefix."""
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from dataclasses import dataclass, replace
+from typing import Dict, List, Mapping, Optional
 
 import numpy as np
 
 from runtime.backends.base import TargetBackend
-from runtime.drafters.base import DraftContext, Drafter, common_prefix_len
-from runtime.drafters.shared import pick_children
-from runtime.sampling import process_logits, sample
-from runtime.tree import DraftTree, empty_tree
+from runtime.backends.factory import open_model
+from runtime.backends.numpy_ref import cache_shape
+from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec, common_prefix_len
+from runtime.memory.plan import DrafterMemory, NO_DRAFTER, dims_from_spec
+from runtime.model.bundle import BackendFiles, gguf_entries
+from runtime.drafters.shared import grow_chains, tree_mask
+from runtime.tree import DraftTree, empty_tree, path_to
 
 
 class DraftModelDrafter(Drafter):
     kind = "draft_model"
     builds_sampled_trees = True
+    takes_branching = True
 
     def __init__(self, model: TargetBackend, num_tokens: int = 4, branching: int = 1):
         self.model = model
@@ -36,6 +41,9 @@ class DraftModelDrafter(Drafter):
     @property
     def memory_bytes(self) -> int:
         return int(getattr(self.model, "weight_bytes", 0))
+
+    def wrap_models(self, wrap) -> None:
+        self.model = wrap(self.model)
 
     def begin(self, prompt, taps, start: int = 0) -> None:
         if not start:
@@ -68,49 +76,18 @@ class DraftModelDrafter(Drafter):
         self._proposed = True
         if depth <= 0:
             return empty_tree()
-        params = ctx.params
-        mask0 = ctx.mask(())
-        q0 = process_logits(logits, params, context, mask0)
-        firsts = pick_children(logits, q0, params, context, self.branching, ctx.rng, self.sibling_rule, mask0)
-        deterministic = firsts.deterministic
-        tokens: List[int] = firsts.tokens.tolist()
-        parents: List[int] = [-1] * len(tokens)
-        qs: List[np.ndarray] = [q0] * len(tokens) if deterministic else list(firsts.proposals)
-        frontier = list(range(len(tokens)))  # node index of each chain's last token
-        for d in range(1, depth):
-            # Run the frontier (one node per chain) in one forward with a tree mask, then extend each chain.
+
+        def run(frontier: List[int], tokens: List[int], parents: List[int], d: int) -> np.ndarray:
+            """The frontier (one node per chain, depth d) in one forward under the tree mask; rows kept for accept."""
             start = self.model.cache_len
-            rows_mask = np.zeros((len(frontier), start + len(frontier)), bool)
-            for j, node in enumerate(frontier):
-                rows_mask[j, :self._base] = True
-                for anc in self._path(parents, node)[:-1]:
-                    rows_mask[j, self._node_rows[anc]] = True
-                rows_mask[j, start + j] = True
-            out = self._run([tokens[n] for n in frontier], [self._base + d - 1] * len(frontier), rows_mask)
+            ancestors = [[self._node_rows[a] for a in path_to(parents, n)[:-1]] for n in frontier]
+            out = self._run([tokens[n] for n in frontier], [self._base + d - 1] * len(frontier),
+                            tree_mask(self._base, ancestors, start))
             for j, node in enumerate(frontier):
                 self._node_rows[node] = start + j
-            new_frontier = []
-            for j, node in enumerate(frontier):
-                path = [tokens[a] for a in self._path(parents, node)]
-                q = process_logits(out[j], params, context + path, ctx.mask(path))
-                t = int(np.argmax(q)) if params.greedy else sample(q, ctx.rng)
-                new_frontier.append(len(tokens))
-                tokens.append(t)
-                parents.append(node)
-                qs.append(q)
-            frontier = new_frontier
-        tree = DraftTree(tokens=np.asarray(tokens, np.int64), parents=np.asarray(parents, np.int64),
-                         q=None if deterministic else np.stack(qs),
-                         deterministic=np.full(len(tokens), deterministic))
-        return tree
+            return out
 
-    @staticmethod
-    def _path(parents: Sequence[int], node: int) -> List[int]:
-        path = []
-        while node != -1:
-            path.append(node)
-            node = parents[node]
-        return path[::-1]
+        return grow_chains(ctx, context, logits, self.branching, depth, self.sibling_rule, run)
 
     def accept(self, accepted_nodes, committed, taps) -> None:
         if not self._proposed:  # the engine verified no tree this cycle (one token left): the cache stands as is
@@ -123,3 +100,50 @@ class DraftModelDrafter(Drafter):
             rows.append(self._node_rows[node])
         self.model.keep(self._base, rows)
         self.cached = self._context + [int(t) for t in committed[1:1 + len(rows)]]
+
+
+@dataclass(frozen=True)
+class DraftModelParams:
+    """bundle.yaml drafters.<name>.params of a draft model: nothing the runtime reads (its shape is the
+    entry's spec, its files the entry's files and backends)."""
+
+    @staticmethod
+    def from_dict(d: Mapping, where: str) -> "DraftModelParams":
+        return DraftModelParams()
+
+
+def entry_key(entry, backend) -> Optional[str]:
+    """The draft model's backend entry beside the target: gguf: the GGUF of the target's quant, else its most
+    precise one (a draft's quant changes the acceptance rate, never the output); None on numpy_ref."""
+    if backend.kind == "numpy_ref":
+        return None
+    if backend.kind == "gguf":
+        have = gguf_entries(entry.backends)
+        return have.get(backend.precision, next(iter(have.values()), None))
+    return backend.kind
+
+
+def build(b: DrafterBuild, p: DraftModelParams) -> DraftModelDrafter:
+    entry, backend = b.entry, b.backend
+    key = entry_key(entry, backend)
+    files = entry.backends.get(key) if key is not None else None
+    files = files or BackendFiles(files=entry.files)
+    if backend.kind != "numpy_ref" and key not in entry.backends:
+        backend = replace(backend, kind="numpy_ref")  # no graph for this backend: run the draft in numpy
+    cache = b.arena.allocate("draft", cache_shape(entry.spec), b.max_positions)
+    model = open_model(b.bundle, entry.spec, files, backend, cache, label=f"drafter {b.name}")
+    return DraftModelDrafter(model, num_tokens=b.num_tokens, branching=b.branching)
+
+
+def memory(bundle, entry, p: DraftModelParams, backend: str) -> DrafterMemory:
+    """Its own layers at the precision of its graph for this backend (numpy: float32)."""
+    if entry.spec is None:
+        return NO_DRAFTER
+    d_files = entry.backends.get(backend) if backend != "numpy_ref" else None
+    d_prec = d_files.params.get("precision", "fp32") if d_files is not None else "fp32"
+    if d_files is not None and backend == "gguf":
+        d_prec = {"f16": "fp16"}.get(d_files.params.get("quant", "f16"), d_files.params.get("quant"))
+    return DrafterMemory(dims_from_spec(entry.spec), d_prec)
+
+
+SPEC = DrafterSpec(kinds=("draft_model",), params=DraftModelParams.from_dict, build=build, memory=memory)

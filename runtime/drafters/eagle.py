@@ -25,15 +25,19 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from runtime.drafters.base import DraftContext, Drafter
-from runtime.drafters.shared import pick_children
+from runtime.backends.factory import load_weights
+from runtime.backends.numpy_ref import cache_shape
+from runtime.backends.onnx_net import OnnxNet
+from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec
+from runtime.drafters.shared import grow_chains, ranking_params, run_on_cache, tree_mask
 from runtime.errors import BundleError
+from runtime.memory import plan as memory_plan
 from runtime.memory.kv import KVCache
 from runtime.model.layers import causal_mask, decoder_layer, rms_norm, rope_cos_sin, rope_inv_freq
 from runtime.model.spec import ModelSpec
-from runtime.sampling import process_logits, sample
+from runtime.sampling import process_logits
 from runtime.siblings import top_k
-from runtime.tree import DraftTree, empty_tree
+from runtime.tree import DraftTree, empty_tree, path_to
 
 LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
@@ -104,6 +108,7 @@ def dynamic_tree(expand, root_scores: np.ndarray, tree: DynamicTree, max_nodes: 
 
 class EagleDrafter(Drafter):
     builds_sampled_trees = True  # chains split at the root by the sibling rule when branching > 1
+    takes_branching = True  # the chains' split (the EAGLE-2 tree keeps its own shape)
 
     def __init__(self, kind: str, spec: ModelSpec, weights: Mapping[str, np.ndarray], embed: np.ndarray,
                  target_head: np.ndarray, cache: KVCache, params: Mapping, num_tokens: int = 4, branching: int = 1,
@@ -227,12 +232,11 @@ class EagleDrafter(Drafter):
             return out, self._logits(out[-1:] if last_only else out)
         t, start = len(tokens), self.cache.length
         self.cache.check_room(t)
-        got = self.net.run({"input_ids": np.asarray(tokens, np.int64), "features": np.asarray(features, np.float32),
-                            "position_ids": np.asarray(positions, np.int64),
-                            "attention_mask": np.where(mask, np.float32(0.0), np.float32(-np.inf)),
-                            "past_key": self.cache.k[:start, 0], "past_value": self.cache.v[:start, 0]})
-        self.cache.k[start:start + t, 0] = got["new_key"]
-        self.cache.v[start:start + t, 0] = got["new_value"]
+        got = run_on_cache(self.net, {"input_ids": np.asarray(tokens, np.int64),
+                                      "features": np.asarray(features, np.float32),
+                                      "position_ids": np.asarray(positions, np.int64),
+                                      "attention_mask": np.where(mask, np.float32(0.0), np.float32(-np.inf))},
+                           self.cache, t)
         self.cache.length = start + t
         logits = got["logits"]
         return got["hidden"], self._to_target(logits[-1:] if last_only else logits)
@@ -244,8 +248,8 @@ class EagleDrafter(Drafter):
         self.committed_rows = 0
         self.pending = None
 
-    def begin(self, prompt: Sequence[int], taps: Dict[str, np.ndarray]) -> None:
-        self.reset()
+    def begin(self, prompt: Sequence[int], taps: Dict[str, np.ndarray], start: int = 0) -> None:
+        self.reset()  # (start is always 0: reusable_prefix keeps nothing)
         self.pending = self._features(taps)
 
     def accept(self, accepted_nodes, committed, taps) -> None:
@@ -277,57 +281,33 @@ class EagleDrafter(Drafter):
             return self._dynamic(ctx, tokens, h_root, root_logits, room)
         return self._chains(ctx, tokens, h_root, root_logits, room)
 
-    def _tree_mask(self, ancestors_rows: List[List[int]], start: int) -> np.ndarray:
-        """Rows run at `start`.. each see the committed rows, their ancestors' rows and themselves."""
-        m = np.zeros((len(ancestors_rows), start + len(ancestors_rows)), bool)
-        m[:, :self.committed_rows] = True
-        for j, rows in enumerate(ancestors_rows):
-            m[j, rows] = True
-            m[j, start + j] = True
-        return m
-
     def _chains(self, ctx: DraftContext, tokens: List[int], h_root, root_logits, room: int) -> DraftTree:
         b = self.branching
         depth = min(self.k, ctx.max_nodes // b, 1 + room // b)
         if depth <= 0:
             return empty_tree()
-        params = ctx.params
-        mask0 = ctx.mask(())  # the request's grammar, applied to q exactly as to p
-        q0 = process_logits(root_logits, params, tokens, mask0)
-        firsts = pick_children(root_logits, q0, params, tokens, b, ctx.rng, self.sibling_rule, mask0)
-        deterministic = firsts.deterministic
-        out_tokens: List[int] = firsts.tokens.tolist()
-        parents: List[int] = [-1] * len(out_tokens)
-        qs: List[np.ndarray] = [q0] * len(out_tokens) if deterministic else list(firsts.proposals)
-        frontier = list(range(len(out_tokens)))  # each chain's last node
         hidden = {-1: h_root[0]}  # node -> h' of the row that predicted its children
         rows: Dict[int, int] = {}  # node -> its temporary cache row
         root_pos = len(tokens) - 1
-        for d in range(1, depth):
+
+        def run(frontier: List[int], out_tokens: List[int], parents: List[int], d: int) -> np.ndarray:
+            """The frontier (one node per chain, depth d) on its parents' h' in one step under the tree mask."""
             start = self.cache.length
-            anc = [[rows[a] for a in self._path(parents, n)[:-1]] for n in frontier]
+            anc = [[rows[a] for a in path_to(parents, n)[:-1]] for n in frontier]
             feats = np.stack([hidden[parents[n]] for n in frontier])
             out, logits = self._step(feats, [out_tokens[n] for n in frontier], np.full(len(frontier), root_pos + d - 1),
-                                     self._tree_mask(anc, start))
-            new_frontier = []
+                                     tree_mask(self.committed_rows, anc, start))
             for j, node in enumerate(frontier):
                 rows[node] = start + j
                 hidden[node] = out[j]
-                path = [out_tokens[a] for a in self._path(parents, node)]
-                q = process_logits(logits[j], params, tokens + path, ctx.mask(path))
-                t = int(np.argmax(q)) if params.greedy else sample(q, ctx.rng)
-                new_frontier.append(len(out_tokens))
-                out_tokens.append(t)
-                parents.append(node)
-                qs.append(q)
-            frontier = new_frontier
-        return DraftTree(tokens=np.asarray(out_tokens, np.int64), parents=np.asarray(parents, np.int64),
-                         q=None if deterministic else np.stack(qs), deterministic=np.full(len(out_tokens), deterministic))
+            return logits
+
+        return grow_chains(ctx, tokens, root_logits, b, depth, self.sibling_rule, run)
 
     def _dynamic(self, ctx: DraftContext, tokens: List[int], h_root, root_logits, room: int) -> DraftTree:
         tree = replace(self.tree, depth=min(self.tree.depth, 1 + room // self.tree.top_k))
         # Rank by the drafter's processed distribution (greedy: at temperature 1); the picks are point masses.
-        rank = replace(ctx.params, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) if ctx.params.greedy else ctx.params
+        rank = ranking_params(ctx.params)
         hidden = {-1: h_root[0]}  # node -> h' of the row that predicted its children
         rows: Dict[int, int] = {}  # node -> its temporary cache row
 
@@ -337,10 +317,11 @@ class EagleDrafter(Drafter):
 
         def expand(frontier: List[int], toks: List[int], pars: List[int]) -> List[np.ndarray]:
             start = self.cache.length
-            paths = [self._path(pars, n) for n in frontier]
+            paths = [path_to(pars, n) for n in frontier]
             out, logits = self._step(np.stack([hidden[pars[n]] for n in frontier]), [toks[n] for n in frontier],
                                      np.asarray([len(tokens) - 2 + len(path) for path in paths]),
-                                     self._tree_mask([[rows[a] for a in path[:-1]] for path in paths], start))
+                                     tree_mask(self.committed_rows, [[rows[a] for a in path[:-1]] for path in paths],
+                                               start))
             res = []
             for j, (n, path) in enumerate(zip(frontier, paths)):
                 rows[n] = start + j
@@ -353,10 +334,62 @@ class EagleDrafter(Drafter):
             return empty_tree()
         return DraftTree(tokens=np.asarray(toks, np.int64), parents=np.asarray(pars, np.int64))
 
+
+# -- built from a bundle entry ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EagleParams:
+    """bundle.yaml drafters.<name>.params of an EAGLE head (kind eagle or eagle3). The head itself reads the
+    rest (bias, tap_layers, norm_before_residual) from the same mapping."""
+    tree: Optional[DynamicTree] = None  # set: the EAGLE-2 dynamic tree; None: chains of num_tokens x branching
+    draft_vocab_size: Optional[int] = None  # EAGLE-3: rows of its own LM head
+
     @staticmethod
-    def _path(parents: Sequence[int], node: int) -> List[int]:
-        path = []
-        while node != -1:
-            path.append(node)
-            node = parents[node]
-        return path[::-1]
+    def from_dict(d: Mapping, where: str) -> "EagleParams":
+        tree = d.get("tree")
+        if tree is not None and not isinstance(tree, dict):
+            raise BundleError(f"{where}.tree: got {tree!r}, expected a mapping (total_tokens, depth, top_k)")
+        vocab = d.get("draft_vocab_size")
+        return EagleParams(DynamicTree.from_params(tree, where) if tree is not None else None,
+                           None if vocab is None else int(vocab))
+
+
+def build(b: DrafterBuild, p: EagleParams) -> EagleDrafter:
+    """An EAGLE-1/2 or EAGLE-3 head on the target's embedding (and, EAGLE-1, its LM head). Its step runs on the
+    entry's ONNX graph when the backend is onnx and the entry has one, else in numpy."""
+    bundle, entry, backend, source = b.bundle, b.entry, b.backend, b.source
+    if entry.spec is None:
+        raise BundleError(f"{source}: no spec (the draft layer's shape); rebuild it with export/drafters/eagle.py")
+    embed, head = b.embed_and_head()
+    cache = b.arena.allocate("draft", cache_shape(entry.spec), b.max_positions + memory_plan.DRAFT_SLACK)
+    net = None
+    graph = entry.backends.get("onnx") if backend.kind == "onnx" else None
+    if graph is not None:
+        onnx_files = [f for f in graph.files if f.endswith(".onnx")]
+        if not onnx_files:
+            raise BundleError(f"{source}.backends.onnx lists no .onnx graph; run `edgespec export --to onnx --bundle {bundle.root}`")
+        net = OnnxNet(bundle.path(onnx_files[0]), providers=backend.providers, threads=backend.threads,
+                      label=f"{entry.kind} head {b.name}")
+    return EagleDrafter(entry.kind, entry.spec, load_weights(bundle, entry.files), embed, head, cache, entry.params,
+                        num_tokens=b.num_tokens, branching=b.branching, tree=p.tree, source=source, net=net)
+
+
+def eagle_dims(entry, p: EagleParams) -> memory_plan.ModelDims:
+    """An EAGLE head's one layer: it reads the target's embedding; EAGLE-1 uses the target's LM head (fc 2H -> H),
+    EAGLE-3 has its own over draft_vocab_size rows, attends over 2H and fuses three target hiddens (fc 3H -> H)."""
+    d = replace(memory_plan.dims_from_spec(entry.spec), own_embedding=False)
+    h = d.hidden
+    if entry.kind == "eagle":
+        return replace(d, head_rows=0, fusion_in=2 * h)
+    return replace(d, head_rows=p.draft_vocab_size or d.vocab, attn_in=2 * h, fusion_in=3 * h)
+
+
+def memory(bundle, entry, p: EagleParams, backend: str) -> memory_plan.DrafterMemory:
+    """Its layer in float32 numpy; beside a graph target, its own float32 copy of the target's embedding (and head)."""
+    if entry.spec is None:
+        return memory_plan.NO_DRAFTER
+    extra = memory_plan.target_embedding_copy_bytes(bundle.target.spec) if backend != "numpy_ref" else 0
+    return memory_plan.DrafterMemory(eagle_dims(entry, p), "fp32", extra)
+
+
+SPEC = DrafterSpec(kinds=("eagle", "eagle3"), params=EagleParams.from_dict, build=build, memory=memory)

@@ -19,16 +19,20 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import replace
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from runtime.drafters.base import DraftContext, Drafter
+from runtime.backends.factory import load_weights
+from runtime.backends.onnx_net import OnnxNet
+from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec
+from runtime.drafters.shared import ranking_params
 from runtime.errors import BundleError
+from runtime.memory.plan import DrafterMemory, entry_numel
 from runtime.sampling import process_logits
 from runtime.siblings import top_k
-from runtime.tree import DraftTree, empty_tree
+from runtime.tree import DraftTree, empty_tree, path_to
 
 KEY = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
 TREES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "medusa_trees.json")
@@ -164,7 +168,7 @@ class MedusaDrafter(Drafter):
             return int(self.net.weight_bytes)
         return int(self.out.nbytes + sum(w.nbytes + b.nbytes for w, b in zip(self.w, self.b)))
 
-    def begin(self, prompt, taps) -> None:
+    def begin(self, prompt, taps, start: int = 0) -> None:
         self.h = np.asarray(taps["final_norm"][-1], np.float32)
 
     def accept(self, accepted_nodes, committed, taps) -> None:
@@ -194,7 +198,7 @@ class MedusaDrafter(Drafter):
     def _greedy(self, logits: np.ndarray, ctx: DraftContext) -> DraftTree:
         """Depth d's candidates: head d-1's top-k, ranked by its distribution at temperature 1 under the request's
         mask and penalty (point masses, so the ranking never affects exactness)."""
-        soft = replace(ctx.params, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+        soft = ranking_params(ctx.params)
         cands = [top_k(process_logits(logits[d], soft, ctx.tokens), self.top[d]).tokens for d in range(len(logits))]
         index: Dict[Tuple[int, ...], int] = {}
         tokens, parents = [], []
@@ -235,7 +239,7 @@ class MedusaDrafter(Drafter):
                 if history_free:
                     q = shared[d]
                 else:
-                    q = process_logits(logits[d], params, list(ctx.tokens) + [tokens[i] for i in self._path(parents, index[parent])])
+                    q = process_logits(logits[d], params, list(ctx.tokens) + [tokens[i] for i in path_to(parents, index[parent])])
                 drawn[parent] = self.sibling_rule(q, self.width[parent], ctx.rng)
             sib = drawn[parent]
             if p[-1] >= len(sib.tokens):
@@ -249,10 +253,41 @@ class MedusaDrafter(Drafter):
         return DraftTree(tokens=np.asarray(tokens, np.int64), parents=np.asarray(parents, np.int64),
                          q=np.stack(qs), deterministic=np.zeros(len(tokens), bool))
 
+
+# -- built from a bundle entry ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MedusaParams:
+    """bundle.yaml drafters.<name>.params of Medusa heads."""
+    num_heads: Optional[int] = None  # as the bundle recorded it (the weights' keys are what counts)
+    tree: Any = "chain"  # 'chain', a shipped tree's name (medusa_trees.json) or a list of paths
+
     @staticmethod
-    def _path(parents: Sequence[int], node: int) -> List[int]:
-        path = []
-        while node != -1:
-            path.append(node)
-            node = parents[node]
-        return path[::-1]
+    def from_dict(d: Mapping, where: str) -> "MedusaParams":
+        heads = d.get("num_heads")
+        return MedusaParams(None if heads is None else int(heads), d.get("tree", "chain"))
+
+
+def build(b: DrafterBuild, p: MedusaParams) -> MedusaDrafter:
+    bundle, entry, backend = b.bundle, b.entry, b.backend
+    spec = bundle.target.spec
+    graph = entry.backends.get("onnx") if backend.kind == "onnx" else None  # else the numpy heads
+    net = OnnxNet(bundle.path(graph.files[0]), backend.providers, backend.threads, f"drafter {b.name}") if graph else None
+    return MedusaDrafter(load_weights(bundle, entry.files), tree=p.tree, num_tokens=b.num_tokens,
+                         source=f"{bundle.root}: drafters.{b.name}", hidden=spec.hidden_size, vocab=spec.vocab_size,
+                         net=net)
+
+
+def tree_tokens(p: MedusaParams, num_tokens: int, branching: int) -> int:
+    """A static tree: its size is the bundle's choice list (cut to the heads it has), not the flags'."""
+    depth = min(num_tokens, p.num_heads if p.num_heads is not None else num_tokens)
+    return len(resolve_tree(p.tree, depth)) + 1
+
+
+def memory(bundle, entry, p: MedusaParams, backend: str) -> DrafterMemory:
+    """float32 numpy heads; no cache of their own."""
+    return DrafterMemory(extra_bytes=4 * entry_numel(bundle, entry))
+
+
+SPEC = DrafterSpec(kinds=("medusa",), params=MedusaParams.from_dict, build=build, memory=memory,
+                   tree_tokens=tree_tokens)

@@ -32,13 +32,18 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from runtime.drafters.base import DraftContext, Drafter
+from runtime.backends.factory import load_weights
+from runtime.backends.onnx_net import OnnxNet
+from runtime.config import BackendConfig
+from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec, draft_cache_shapes
+from runtime.drafters.shared import pick, run_on_cache
 from runtime.errors import BundleError
-from runtime.memory.kv import CacheShape, KVCache
+from runtime.memory.kv import CacheShape, KVArena, KVCache
+from runtime.memory.plan import DrafterMemory, entry_numel, target_embedding_copy_bytes
 from runtime.model.layers import (causal_mask, decoder_layer, decoder_layer_weight_names, rms_norm, rope_cos_sin,
                             rope_inv_freq)
 from runtime.model.spec import ModelSpec
-from runtime.sampling import process_logits, sample
+from runtime.sampling import process_logits
 from runtime.tree import DraftTree, empty_tree
 
 # The graph of one module (export/drafters/mtp_onnx.py); T new rows, P past rows of the module's own cache.
@@ -163,13 +168,10 @@ class MTPModule:
         mask = np.zeros((t, start + t), np.float32)  # causal over the new rows, all of the past
         if t > 1:
             mask[:, start:][np.triu_indices(t, 1)] = -np.inf
-        k, v = self.cache.k[:, 0], self.cache.v[:, 0]  # (max_pos, nkv, d): rows [0, start) are one block
-        got = self.net.run({"hidden": np.asarray(hidden, np.float32),
-                            "input_ids": np.asarray(next_tokens, np.int64),
-                            "position_ids": np.arange(start_pos, start_pos + t, dtype=np.int64),
-                            "attention_mask": mask, "past_key": k[:start], "past_value": v[:start]})
-        k[start:start + t] = got["new_key"]
-        v[start:start + t] = got["new_value"]
+        got = run_on_cache(self.net, {"hidden": np.asarray(hidden, np.float32),
+                                      "input_ids": np.asarray(next_tokens, np.int64),
+                                      "position_ids": np.arange(start_pos, start_pos + t, dtype=np.int64),
+                                      "attention_mask": mask}, self.cache, t)
         return got["hidden_out"], got["logits"][-1]
 
 
@@ -287,8 +289,7 @@ class MTPDrafter(Drafter):
                 h_last, logits = self.modules[-1].run(h_last, [drafted[-1]], n - 2 + j - len(self.modules) + 1)
                 h_last = h_last[-1:]
             q = process_logits(logits, ctx.params, seq, ctx.mask(drafted))
-            x = int(np.argmax(q)) if ctx.params.greedy else sample(q, ctx.rng)
-            drafted.append(x)
+            drafted.append(pick(q, ctx.params, ctx.rng))
             qs.append(q)
         if not drafted:
             return empty_tree()
@@ -318,3 +319,65 @@ class MTPDrafter(Drafter):
         # append: `propose` consumes pending, but a cycle that verified no tree (one token left) did not run
         # the modules over the previous cycle's rows, and those must not be lost
         self.pending[0] = self.pending[0] + list(taps[self.target_taps[0]])
+
+
+# -- built from a bundle entry ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MTPParams:
+    """bundle.yaml drafters.<name>.params of the target's MTP modules."""
+    num_modules: int = 1
+    first_layer_index: Optional[int] = None  # of module 0 in the checkpoint (None: right after the target's layers)
+    layout: str = "deepseek_v3"  # one of MTP_LAYOUTS
+
+    @staticmethod
+    def from_dict(d: Mapping, where: str) -> "MTPParams":
+        first = d.get("first_layer_index")
+        return MTPParams(int(d.get("num_modules", 1)), None if first is None else int(first),
+                         str(d.get("layout", "deepseek_v3")))
+
+
+def mtp_graphs(bundle, entry, backend: BackendConfig, arena: KVArena, modules: int):
+    """The MTP modules' ONNX graphs (one per module, in order) when the session runs on ONNX Runtime and the
+    bundle has them; None = run the modules in numpy."""
+    files = entry.backends.get("onnx") if backend.kind == "onnx" else None
+    if files is None:
+        return None
+    if (files.params.get("precision") == "fp16") != (arena.dtype == np.float16):
+        return None  # graphs of the other float precision than this session's KV arena (e.g. an int8 target): numpy
+    graphs = [f for f in files.files if f.endswith(".onnx")]
+    if len(graphs) != modules:
+        raise BundleError(f"{bundle.path('bundle.yaml')}: drafters.mtp.backends.onnx lists {len(graphs)} graphs for "
+                          f"{modules} modules; re-export with `edgespec export --to onnx --bundle {bundle.root}`")
+    return [OnnxNet(bundle.path(g), backend.providers, backend.threads, label=f"MTP module {i}")
+            for i, g in enumerate(graphs)]
+
+
+def build(b: DrafterBuild, p: MTPParams) -> MTPDrafter:
+    bundle, entry = b.bundle, b.entry
+    weights = load_weights(bundle, entry.files)
+    spec = bundle.target.spec
+    embed, head = b.embed_and_head()
+    caches = [b.arena.allocate(f"mtp.{i}", mtp_cache_shape(spec), b.max_positions + b.num_tokens)
+              for i in range(p.num_modules)]
+    return MTPDrafter(spec, weights, embed, head, caches, num_tokens=b.num_tokens,
+                      layer_index=spec.num_layers if p.first_layer_index is None else p.first_layer_index,
+                      layout=p.layout, nets=mtp_graphs(bundle, entry, b.backend, b.arena, p.num_modules))
+
+
+def cache_shapes(entry, p: MTPParams, target_spec) -> Dict[str, CacheShape]:
+    """One layer of the target's shape per module."""
+    return {**draft_cache_shapes(entry, p, target_spec),
+            "mtp": CacheShape(p.num_modules, target_spec.num_kv_heads, target_spec.head_dim)}
+
+
+def memory(bundle, entry, p: MTPParams, backend: str) -> DrafterMemory:
+    """float32 numpy modules (their size from the safetensors header); beside a graph target they keep their own
+    float32 copy of the target's embedding."""
+    extra = 4 * entry_numel(bundle, entry)
+    if backend != "numpy_ref":
+        extra += target_embedding_copy_bytes(bundle.target.spec)
+    return DrafterMemory(extra_bytes=extra)
+
+
+SPEC = DrafterSpec(kinds=("mtp",), params=MTPParams.from_dict, build=build, memory=memory, cache_shapes=cache_shapes)

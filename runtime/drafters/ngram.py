@@ -3,11 +3,14 @@ followed there. Deterministic (point-mass nodes), costs no model; good on plans 
 the prompt's words."""
 from __future__ import annotations
 
-from typing import List, Sequence
+from dataclasses import dataclass
+from typing import List, Mapping, Sequence
 
 import numpy as np
 
-from runtime.drafters.base import DraftContext, Drafter
+from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec
+from runtime.errors import BundleError
+from runtime.memory.plan import NO_DRAFTER
 from runtime.tree import DraftTree, empty_tree
 
 
@@ -68,6 +71,7 @@ def tree_from_branches(branches: Sequence[Sequence[int]]) -> DraftTree:
 
 class NgramDrafter(Drafter):
     kind = "ngram"
+    takes_branching = True
 
     def __init__(self, num_tokens: int = 4, max_n: int = 3, min_n: int = 1, branching: int = 1):
         self.k = num_tokens
@@ -89,3 +93,25 @@ class NgramDrafter(Drafter):
         if len(tree) > ctx.max_nodes:
             tree = tree_from_branches(branches[:1])
         return tree
+
+
+@dataclass(frozen=True)
+class NgramParams:
+    """bundle.yaml drafters.<name>.params of an n-gram drafter (all optional: it has no files)."""
+    max_n: int = 3  # the longest suffix n-gram looked up
+    min_n: int = 1  # the shortest
+
+    @staticmethod
+    def from_dict(d: Mapping, where: str) -> "NgramParams":
+        p = NgramParams(int(d.get("max_n", 3)), int(d.get("min_n", 1)))
+        if not 1 <= p.min_n <= p.max_n:
+            raise BundleError(f"{where}: min_n {p.min_n}, max_n {p.max_n}: expected 1 <= min_n <= max_n")
+        return p
+
+
+def build(b: DrafterBuild, p: NgramParams) -> NgramDrafter:
+    return NgramDrafter(num_tokens=b.num_tokens, max_n=p.max_n, min_n=p.min_n, branching=b.branching)
+
+
+SPEC = DrafterSpec(kinds=("ngram",), params=NgramParams.from_dict, build=build,
+                   memory=lambda bundle, entry, p, backend: NO_DRAFTER, needs_entry=False)

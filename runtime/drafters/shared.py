@@ -1,14 +1,33 @@
-"""Drafting pieces every tree-building drafter shares, so that no drafter imports another: how the children
-of one node are picked (greedy top-k ranked at temperature 1, or sampled through the sibling rule)."""
+"""Drafting pieces every tree-building drafter shares, so that no drafter imports another: the one pick (argmax or
+sample), the one ranking rule, how the children of one node are picked (greedy top-k ranked at temperature 1, or
+sampled through the sibling rule), the tree mask of drafted rows, the loop that grows chains split at the root, and
+how a drafter's ONNX graph runs against its own KV cache."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from runtime.sampling import SamplingParams, process_logits
+from runtime.memory.kv import KVCache
+from runtime.sampling import SamplingParams, process_logits, sample
 from runtime.siblings import Siblings, draw_siblings, top_k
+from runtime.tree import DraftTree, path_to
+
+
+def pick(q: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """One drafted token from its proposal q: the argmax when greedy (q is then one-hot), else a draw from q,
+    which the verifier gets as the node's q. Example: q = (0.1, 0.7, 0.2), greedy -> 1."""
+    return int(np.argmax(q)) if params.greedy else int(sample(q, rng))
+
+
+def ranking_params(params: SamplingParams) -> SamplingParams:
+    """The processing a drafter ranks candidates by: greedy -> the request's (mask, penalty) at temperature 1 with
+    no truncation (a greedy q is one-hot and ranks nothing); sampled -> the request's own. Greedy picks are point
+    masses, so the ranking never affects exactness, only which tokens are tried."""
+    if not params.greedy:
+        return params
+    return replace(params, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
 
 
 def pick_children(logits: np.ndarray, q: np.ndarray, params: SamplingParams, history: Sequence[int],
@@ -21,6 +40,69 @@ def pick_children(logits: np.ndarray, q: np.ndarray, params: SamplingParams, his
         if width == 1:
             return Siblings(np.asarray([int(np.argmax(q))], np.int64), None)
         # q is one-hot under greedy; rank by the masked, penalised distribution at temperature 1.
-        soft = process_logits(logits, replace(params, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0), history, mask)
-        return top_k(soft, width)
+        return top_k(process_logits(logits, ranking_params(params), history, mask), width)
     return rule(q, width, rng)
+
+
+def tree_mask(base: int, ancestor_rows: Sequence[Sequence[int]], start: int) -> np.ndarray:
+    """(T, start + T) bool: drafted rows run at start.. each see the committed rows [0, base), the rows of their
+    ancestors and themselves. Example: base 2, start 4, ancestor_rows [[], [4]] -> row 0 sees 0, 1, 4;
+    row 1 sees 0, 1, 4, 5."""
+    m = np.zeros((len(ancestor_rows), start + len(ancestor_rows)), bool)
+    m[:, :base] = True
+    for j, rows in enumerate(ancestor_rows):
+        m[j, list(rows)] = True
+        m[j, start + j] = True
+    return m
+
+
+def grow_chains(ctx, history: List[int], root_logits: np.ndarray, width: int, depth: int, rule: Callable,
+                run: Callable[[List[int], List[int], List[int], int], np.ndarray]) -> DraftTree:
+    """`width` chains split at the root by `pick_children`, each grown to `depth` tokens. Level d (1..depth-1) runs
+    the frontier, one node per chain, in ONE call `run(frontier, tokens, parents, d)` -> (len(frontier), V) logits
+    (the drafter puts those rows in its cache under a `tree_mask`), then extends every chain by one `pick` from its
+    processed q (history + the chain's tokens, the grammar's mask at that path). ctx: the DraftContext.
+
+    Example, width 2, depth 2, greedy: the root's top-2 tokens a, b; one run over [a, b] -> their argmaxes c, d:
+    tokens (a, b, c, d), parents (-1, -1, 0, 1)."""
+    params = ctx.params
+    mask0 = ctx.mask(())  # the request's grammar, applied to q exactly as to p
+    q0 = process_logits(root_logits, params, history, mask0)
+    firsts = pick_children(root_logits, q0, params, history, width, ctx.rng, rule, mask0)
+    deterministic = firsts.deterministic
+    tokens: List[int] = firsts.tokens.tolist()
+    parents: List[int] = [-1] * len(tokens)
+    qs: List[np.ndarray] = [q0] * len(tokens) if deterministic else list(firsts.proposals)
+    frontier = list(range(len(tokens)))  # each chain's last node
+    for d in range(1, depth):
+        logits = run(frontier, tokens, parents, d)
+        new_frontier = []
+        for j, node in enumerate(frontier):
+            path = [tokens[a] for a in path_to(parents, node)]
+            q = process_logits(logits[j], params, history + path, ctx.mask(path))
+            new_frontier.append(len(tokens))
+            tokens.append(pick(q, params, ctx.rng))
+            parents.append(node)
+            qs.append(q)
+        frontier = new_frontier
+    return DraftTree(tokens=np.asarray(tokens, np.int64), parents=np.asarray(parents, np.int64),
+                     q=None if deterministic else np.stack(qs), deterministic=np.full(len(tokens), deterministic))
+
+
+def run_on_cache(net, feeds: Mapping[str, np.ndarray], cache: KVCache, rows: int,
+                 layers: Optional[int] = None) -> Dict[str, np.ndarray]:
+    """Run a drafter's graph (runtime/backends/onnx_net.OnnxNet) on its own KV cache: `feeds` plus the past K/V
+    (rows [0, cache.length)) of each layer, then write the graph's new K/V for `rows` rows right after them.
+    A one-layer graph (layers None: EAGLE, an MTP module) names them past_key / past_value -> new_key / new_value;
+    a graph of `layers` layers (DFlash) past_key_{i} ... new_value_{i}. The caller checks the room and moves
+    cache.length (which rows persist is the drafter's own rule). Returns the graph's outputs."""
+    start = cache.length
+    names = ([("_key", "_value", 0)] if layers is None else [(f"_key_{i}", f"_value_{i}", i) for i in range(layers)])
+    feeds = dict(feeds)
+    for k, v, i in names:
+        feeds["past" + k], feeds["past" + v] = cache.k[:start, i], cache.v[:start, i]  # (start, nkv, d)
+    got = net.run(feeds)
+    for k, v, i in names:
+        cache.k[start:start + rows, i] = got["new" + k]  # (rows, nkv, d)
+        cache.v[start:start + rows, i] = got["new" + v]
+    return got

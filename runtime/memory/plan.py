@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from runtime.model.bundle import gguf_entries, onnx_entry_key
 from runtime.config import DeviceProfile, load_config
-from runtime.errors import BundleError, ConfigError
+from runtime.errors import ConfigError
 from runtime.memory.kv import CacheShape
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -439,34 +439,40 @@ def bundle_kv_bytes(bundle, backend: str) -> int:
     return 2 if files is not None and files.params.get("precision") == "fp16" else 4
 
 
-def bundle_cache_shapes(bundle, drafter: str) -> Dict[str, CacheShape]:
-    """The caches a Session with this drafter allocates: the target's, a draft model's, an MTP module's
-    (one layer of the target's shape)."""
+@dataclass(frozen=True)
+class DrafterMemory:
+    """What one drafter adds to the plan, as its kind declares it (runtime/drafters/<name>.py SPEC.memory)."""
+    dims: Optional[ModelDims] = None  # decoder layers of its own (their weights and their KV cache rows)
+    precision: Optional[str] = None  # of those layers' weights
+    extra_bytes: int = 0  # weights beyond `dims` (heads, codebooks, a copy of the target's embedding)
+
+
+NO_DRAFTER = DrafterMemory()
+
+
+def bundle_cache_shapes(bundle, drafter_shapes: Dict[str, CacheShape]) -> Dict[str, CacheShape]:
+    """The caches a Session allocates: the target's and those its drafter declares (a draft model's, an MTP
+    module's one layer of the target's shape, ...)."""
     spec = bundle.target.spec
-    shapes = {"target": CacheShape(spec.num_layers, spec.num_kv_heads, spec.head_dim)}
-    entry = bundle.drafters.get(drafter)
-    if entry is not None and entry.spec is not None:
-        shapes["draft"] = CacheShape(entry.spec.num_layers, entry.spec.num_kv_heads, entry.spec.head_dim)
-    if entry is not None and entry.kind == "mtp":
-        shapes["mtp"] = CacheShape(int(entry.params.get("num_modules", 1)), spec.num_kv_heads, spec.head_dim)
-    return shapes
+    return {"target": CacheShape(spec.num_layers, spec.num_kv_heads, spec.head_dim), **drafter_shapes}
 
 
-def eagle_dims(entry) -> ModelDims:
-    """An EAGLE head's one layer: it reads the target's embedding; EAGLE-1 uses the target's LM head (fc 2H -> H),
-    EAGLE-3 has its own over draft_vocab_size rows, attends over 2H and fuses three target hiddens (fc 3H -> H)."""
-    d = replace(dims_from_spec(entry.spec), own_embedding=False)
-    h = d.hidden
-    if entry.kind == "eagle":
-        return replace(d, head_rows=0, fusion_in=2 * h)
-    return replace(d, head_rows=int(entry.params.get("draft_vocab_size", d.vocab)), attn_in=2 * h, fusion_in=3 * h)
-
-
-def _safetensors_numel(path: str) -> int:
-    from runtime.model.tensors import _header  # header only: no tensor is read
+def safetensors_numel(path: str) -> int:
+    """Elements of every tensor of a safetensors file, from its header only (no tensor is read)."""
+    from runtime.model.tensors import _header
 
     _, header = _header(path)
     return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+
+
+def entry_numel(bundle, entry) -> int:
+    """Elements of a bundle entry's safetensors files."""
+    return sum(safetensors_numel(bundle.path(f)) for f in entry.files if f.endswith(".safetensors"))
+
+
+def target_embedding_copy_bytes(spec) -> int:
+    """A float32 copy of the target's embedding (and untied LM head): what a numpy drafter keeps beside a graph."""
+    return 4 * spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
 
 
 def _engine_prefill_tokens(bundle, backend: str) -> Optional[int]:
@@ -500,7 +506,7 @@ def bundle_overhead(files, backend: str) -> Tuple[int, str]:
 
 
 def _drafter_key(entry, backend: str, t_files) -> Optional[str]:
-    """The draft model's entry a Session opens beside the target (runtime/serving/session.drafter_entry_key):
+    """The draft model's entry a Session opens beside the target (runtime/drafters/draft_model.py entry_key):
     gguf: the target's quant, else the draft's most precise GGUF."""
     if backend == "numpy_ref":
         return None
@@ -511,12 +517,13 @@ def _drafter_key(entry, backend: str, t_files) -> Optional[str]:
     return backend
 
 
-def bundle_inputs(bundle, drafter: str, backend: str, tree_tokens: int, precision: str = "auto") -> PlanInputs:
+def bundle_inputs(bundle, drafter: Optional[str], draft: DrafterMemory, backend: str, tree_tokens: int,
+                  precision: str = "auto") -> PlanInputs:
     """PlanInputs of a bundle as a Session loads it: numpy_ref holds every weight as float32; an ONNX graph
     (fp32, fp16, or `precision` int8 / int4: entry onnx.int8 / onnx.int4, MatMulNBits with a float32 head) and
     a GGUF (f16, q8_0, q4_K_M) weigh what their files weigh; a draft model without a graph for the backend runs
-    in numpy (float32); an MTP module is float32 numpy (its size from its safetensors header) and, beside an
-    ONNX target, keeps its own float32 copy of the target's embedding."""
+    in numpy (float32). `draft` is what the drafter entry `drafter` (None: no drafter) holds beyond the target,
+    as its kind declares it (runtime/drafters/registry.py `plan_inputs` fills both)."""
     spec = bundle.target.spec
     target = dims_from_spec(spec)
     key = backend_entry_key(backend, precision, bundle)  # gguf: the chosen quant's entry, its file's size below
@@ -534,40 +541,17 @@ def bundle_inputs(bundle, drafter: str, backend: str, tree_tokens: int, precisio
             head_prec = HEAD_OF_QUANT.get(prec, prec)
         elif t_files.params.get("precision") in ("int8", "int4"):
             prec, head_prec = t_files.params["precision"], "fp32"  # the quantiser keeps the head float32
-    entry = bundle.drafters.get(drafter)
-    draft, d_prec, extra = None, None, 0
-    if entry is not None and entry.kind in ("eagle", "eagle3") and entry.spec is not None:
-        draft, d_prec = eagle_dims(entry), "fp32"  # numpy, float32
-        if backend != "numpy_ref":  # its own float32 copy of the target's embedding (and head) beside a graph
-            extra = 4 * spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
-    elif entry is not None and entry.kind in ("dflash", "dflash2") and entry.spec is not None:
-        # float32 numpy layers on the target's embedding and head (own copies beside an ONNX target); fc reads
-        # the fused target taps; DFlash-2's selector codebooks and local-mixing kernels come on top
-        taps = len(entry.params.get("target_layer_ids") or ()) or 1
-        draft = replace(dims_from_spec(entry.spec), own_embedding=False, head_rows=0, fusion_in=taps * spec.hidden_size)
-        d_prec = "fp32"
-        extra = 4 * max(0, sum(_safetensors_numel(bundle.path(f)) for f in entry.files if f.endswith(".safetensors"))
-                        - draft.body_params())
-        if backend != "numpy_ref":
-            extra += 4 * spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
-    elif entry is not None and entry.spec is not None:
-        draft = dims_from_spec(entry.spec)
-        d_key = _drafter_key(entry, backend, t_files)
-        d_files = entry.backends.get(d_key) if d_key is not None else None
-        d_prec = d_files.params.get("precision", "fp32") if d_files is not None else "fp32"
-        if d_files is not None and backend == "gguf":
-            d_prec = {"f16": "fp16"}.get(d_files.params.get("quant", "f16"), d_files.params.get("quant"))
-    elif entry is not None and entry.kind == "medusa":  # float32 numpy heads; no cache of their own
-        extra = 4 * sum(_safetensors_numel(bundle.path(f)) for f in entry.files if f.endswith(".safetensors"))
-    elif entry is not None and entry.kind == "mtp":
-        extra = 4 * sum(_safetensors_numel(bundle.path(f)) for f in entry.files if f.endswith(".safetensors"))
-        if backend != "numpy_ref":
-            extra += 4 * spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+    entry = bundle.drafters.get(drafter) if drafter is not None else None
+    d_key = _drafter_key(entry, backend, t_files) if entry is not None else None
+    if entry is not None and draft.dims is not None and backend == "gguf" and d_key in entry.backends:
+        quant = entry.backends[d_key].params.get("quant", "f16")  # the draft's GGUF the Session opens
+        draft = replace(draft, precision={"f16": "fp16"}.get(quant, quant))
     overhead, overhead_note = bundle_overhead(t_files, backend)
     onnx = backend != "numpy_ref"
-    d_graph = entry is not None and entry.spec is not None and _drafter_key(entry, backend, t_files) in entry.backends
-    return PlanInputs(target=target, drafter=draft, precision=prec, head_precision=head_prec, drafter_precision=d_prec,
-                      kv_bytes=kv, drafter_extra_bytes=extra, tree_tokens=tree_tokens,
+    d_graph = entry is not None and entry.spec is not None and d_key in entry.backends
+    return PlanInputs(target=target, drafter=draft.dims, precision=prec, head_precision=head_prec,
+                      drafter_precision=draft.precision, kv_bytes=kv, drafter_extra_bytes=draft.extra_bytes,
+                      tree_tokens=tree_tokens,
                       prefill_tokens=_engine_prefill_tokens(bundle, backend),
                       overhead_bytes=overhead, overhead_note=overhead_note, target_file_bytes=file_bytes,
                       scratch_factor=ONNX_SCRATCH_FACTOR if backend not in ("numpy_ref", "gguf") else 1.0,

@@ -17,19 +17,11 @@ import numpy as np
 from runtime.model import bundle as bundle_io
 from runtime.memory import plan as memory
 from runtime.text.actions import ActionTokenizer
-from runtime.backends.factory import load_weights, open_model, resolve_backend
-from runtime.backends.numpy_ref import cache_shape
-from runtime.backends.onnx_net import OnnxNet
+from runtime.backends.factory import open_model, resolve_backend
 from runtime.serving.blas import set_blas_threads
-from runtime.model.bundle import BackendFiles
-from runtime.config import BackendConfig, RuntimeConfig
+from runtime.config import RuntimeConfig
+from runtime.drafters import registry
 from runtime.drafters.base import Drafter
-from runtime.drafters.dflash import DFlashDrafter, DFlashParams
-from runtime.drafters.draft_model import DraftModelDrafter
-from runtime.drafters.eagle import DynamicTree, EagleDrafter
-from runtime.drafters.medusa import MedusaDrafter, resolve_tree
-from runtime.drafters.mtp import MTPDrafter, mtp_cache_shape
-from runtime.drafters.ngram import NgramDrafter
 from runtime.decode.engine import DecodeStats, Engine, StopCheck
 from runtime.errors import BudgetExceeded, BundleError, RequestError
 from runtime.text.grammar import Grammar, GrammarTokenizer
@@ -104,123 +96,6 @@ class ActionResult:
     dims: int
     finish_reason: str
     stats: DecodeStats
-
-
-def drafter_entry_key(entry, backend: BackendConfig) -> Optional[str]:
-    """The draft model's backend entry beside the target: gguf: the GGUF of the target's quant, else its most
-    precise one (a draft's quant changes the acceptance rate, never the output); None on numpy_ref."""
-    if backend.kind == "numpy_ref":
-        return None
-    if backend.kind == "gguf":
-        have = bundle_io.gguf_entries(entry.backends)
-        return have.get(backend.precision, next(iter(have.values()), None))
-    return backend.kind
-
-
-def build_drafter(name: str, bundle, backend: BackendConfig, arena: KVArena, max_positions: int,
-                  num_tokens: int, branching: int, target_weights=None) -> Optional[Drafter]:
-    if name == "none":
-        return None
-    if name == "ngram":
-        params = bundle.drafters["ngram"].params if "ngram" in bundle.drafters else {}
-        return NgramDrafter(num_tokens=num_tokens, max_n=int(params.get("max_n", 3)), min_n=int(params.get("min_n", 1)),
-                            branching=branching)
-    entry = bundle.drafter(name)
-    if entry.kind in ("eagle", "eagle3"):
-        return build_eagle(name, entry, bundle, arena, max_positions, num_tokens, branching, target_weights, backend)
-    if entry.kind == "draft_model":
-        key = drafter_entry_key(entry, backend)
-        files = entry.backends.get(key) if key is not None else None
-        files = files or BackendFiles(files=entry.files)
-        if backend.kind != "numpy_ref" and key not in entry.backends:
-            backend = replace(backend, kind="numpy_ref")  # no graph for this backend: run the draft in numpy
-        cache = arena.allocate("draft", cache_shape(entry.spec), max_positions)
-        model = open_model(bundle, entry.spec, files, backend, cache, label=f"drafter {name}")
-        return DraftModelDrafter(model, num_tokens=num_tokens, branching=branching)
-    if entry.kind == "mtp":
-        weights = load_weights(bundle, entry.files)
-        target_w = target_weights if target_weights is not None else load_weights(bundle, bundle.target_files("numpy_ref").files)
-        spec = bundle.target.spec
-        embed = np.ascontiguousarray(target_w["model.embed_tokens.weight"], np.float32)
-        head = embed if spec.tie_word_embeddings else np.ascontiguousarray(target_w["lm_head.weight"], np.float32)
-        modules = int(entry.params.get("num_modules", 1))
-        caches = [arena.allocate(f"mtp.{i}", mtp_cache_shape(spec), max_positions + num_tokens) for i in range(modules)]
-        return MTPDrafter(spec, weights, embed, head, caches, num_tokens=num_tokens,
-                          layer_index=int(entry.params.get("first_layer_index", spec.num_layers)),
-                          layout=str(entry.params.get("layout", "deepseek_v3")),
-                          nets=mtp_graphs(bundle, entry, backend, arena, modules))
-    if entry.kind == "medusa":
-        spec = bundle.target.spec
-        graph = entry.backends.get("onnx") if backend.kind == "onnx" else None  # else the numpy heads
-        net = OnnxNet(bundle.path(graph.files[0]), backend.providers, backend.threads, f"drafter {name}") if graph else None
-        return MedusaDrafter(load_weights(bundle, entry.files), tree=entry.params.get("tree", "chain"),
-                             num_tokens=num_tokens, source=f"{bundle.root}: drafters.{name}",
-                             hidden=spec.hidden_size, vocab=spec.vocab_size, net=net)
-    if entry.kind in ("dflash", "dflash2"):
-        where = f"{bundle.path('bundle.yaml')}: drafters.{name}"
-        if entry.spec is None:
-            raise BundleError(f"{where}.spec: missing (the draft layers' shape); rebuild with `edgespec bundle --target DIR --dflash DIR --out DIR`")
-        params = DFlashParams.from_dict(entry.params, f"{where}.params")
-        weights = load_weights(bundle, entry.files)
-        target_w = target_weights if target_weights is not None else load_weights(bundle, bundle.target_files("numpy_ref").files)
-        spec = bundle.target.spec
-        embed = np.ascontiguousarray(target_w["model.embed_tokens.weight"], np.float32)
-        head = embed if spec.tie_word_embeddings else np.ascontiguousarray(target_w["lm_head.weight"], np.float32)
-        # the context rows plus one block of temporary rows
-        cache = arena.allocate("draft", cache_shape(entry.spec), max_positions + params.block_size)
-        net = None
-        if backend.kind == "onnx" and "onnx" in entry.backends:  # the block forward as a graph, else numpy
-            net = OnnxNet(bundle.path(entry.backends["onnx"].files[0]), backend.providers, backend.threads,
-                          label=f"drafter {name}")
-        return DFlashDrafter(entry.spec, params, weights, embed, head, cache, source=where, net=net)
-    raise BundleError(f"drafter kind {entry.kind!r} is not available in this runtime yet")
-
-
-def mtp_graphs(bundle, entry, backend: BackendConfig, arena: KVArena, modules: int):
-    """The MTP modules' ONNX graphs (one per module, in order) when the session runs on ONNX Runtime and the
-    bundle has them; None = run the modules in numpy."""
-    files = entry.backends.get("onnx") if backend.kind == "onnx" else None
-    if files is None:
-        return None
-    if (files.params.get("precision") == "fp16") != (arena.dtype == np.float16):
-        return None  # graphs of the other float precision than this session's KV arena (e.g. an int8 target): numpy
-    from runtime.backends.onnx_net import OnnxNet
-    graphs = [f for f in files.files if f.endswith(".onnx")]
-    if len(graphs) != modules:
-        raise BundleError(f"{bundle.path('bundle.yaml')}: drafters.mtp.backends.onnx lists {len(graphs)} graphs for "
-                          f"{modules} modules; re-export with `edgespec export --to onnx --bundle {bundle.root}`")
-    return [OnnxNet(bundle.path(g), backend.providers, backend.threads, label=f"MTP module {i}")
-            for i, g in enumerate(graphs)]
-
-
-def build_eagle(name: str, entry, bundle, arena: KVArena, max_positions: int, num_tokens: int, branching: int,
-                target_weights=None, backend: Optional[BackendConfig] = None) -> EagleDrafter:
-    """An EAGLE-1/2 or EAGLE-3 head (runtime/drafters/eagle.py) on the target's embedding (and, EAGLE-1, its
-    LM head); params.tree set = the EAGLE-2 dynamic tree, else chains of num_tokens x branching. Its step runs
-    on the entry's ONNX graph when the backend is onnx and the entry has one, else in numpy."""
-    source = f"{bundle.root}: drafters.{name}"
-    if entry.spec is None:
-        raise BundleError(f"{source}: no spec (the draft layer's shape); rebuild it with export/drafters/eagle.py")
-    spec = bundle.target.spec
-    target_w = target_weights if target_weights is not None else load_weights(bundle, bundle.target_files("numpy_ref").files)
-    embed = np.ascontiguousarray(target_w["model.embed_tokens.weight"], np.float32)
-    head = embed if spec.tie_word_embeddings else np.ascontiguousarray(target_w["lm_head.weight"], np.float32)
-    tree = entry.params.get("tree")
-    if tree is not None and not isinstance(tree, dict):
-        raise BundleError(f"{source}: params.tree: got {tree!r}, expected a mapping (total_tokens, depth, top_k)")
-    cache = arena.allocate("draft", cache_shape(entry.spec), max_positions + memory.DRAFT_SLACK)
-    net = None
-    graph = entry.backends.get("onnx") if backend is not None and backend.kind == "onnx" else None
-    if graph is not None:
-        from runtime.backends.onnx_net import OnnxNet
-        onnx_files = [f for f in graph.files if f.endswith(".onnx")]
-        if not onnx_files:
-            raise BundleError(f"{source}.backends.onnx lists no .onnx graph; run `edgespec export --to onnx --bundle {bundle.root}`")
-        net = OnnxNet(bundle.path(onnx_files[0]), providers=backend.providers, threads=backend.threads,
-                      label=f"{entry.kind} head {name}")
-    return EagleDrafter(entry.kind, entry.spec, load_weights(bundle, entry.files), embed, head, cache, entry.params,
-                        num_tokens=num_tokens, branching=branching,
-                        tree=DynamicTree.from_params(tree, source) if tree is not None else None, source=source, net=net)
 
 
 def check_taps(target, drafter: Optional[Drafter], backend: str, bundle_root: str) -> None:
@@ -314,13 +189,9 @@ class Session:
         self.shape_precision = str(precision_key)  # what a tune of this session is keyed by, with backend and machine
         num_tokens = self.shape.num_tokens
         # The plan (runtime/memory/plan.py) sizes the arena; an over-budget session is refused before any allocation.
-        shapes = memory.bundle_cache_shapes(b, name)
-        tree_tokens = num_tokens * config.drafter.branching + 1
-        entry = b.drafters.get(name)
-        if entry is not None and entry.kind == "medusa":  # a static tree: its size is the bundle's, not the flags'
-            depth = min(num_tokens, int(entry.params.get("num_heads", num_tokens)))
-            tree_tokens = len(resolve_tree(entry.params.get("tree", "chain"), depth)) + 1
-        self.plan_inputs = memory.bundle_inputs(b, name, backend.kind, tree_tokens, backend.precision)
+        shapes = registry.cache_shapes(b, name)
+        tree_tokens = registry.tree_tokens(b, name, num_tokens, config.drafter.branching)
+        self.plan_inputs = registry.plan_inputs(b, name, backend.kind, tree_tokens, backend.precision)
         positions = config.memory.max_context
         self.budget_bytes = int(config.memory.budget_mb * 2**20)
         if self.budget_bytes > 0:
@@ -342,7 +213,7 @@ class Session:
         # The hidden states the drafter reads: a backend that cannot give one refuses here, at session creation.
         taps = b.drafters[name].target_taps if name in b.drafters else ()
         self.target = open_model(b, spec, files, backend, cache, taps=taps)
-        self.drafter = build_drafter(name, b, backend, self.arena, positions, num_tokens,
+        self.drafter = registry.build_drafter(name, b, backend, self.arena, positions, num_tokens,
                                      config.drafter.branching, getattr(self.target, "w", None))
         check_taps(self.target, self.drafter, backend.kind, config.bundle)
         self.drafter_kind = name

@@ -21,8 +21,12 @@ def test_quick_build_writes_loadable_hf_dirs_a_manifest_and_a_report(tmp_path):
     assert m["seed"] == 1234 and m["command"] == "edgespec zoo build --quick"
     assert set(m["heldout"]) == {"planner", "action", "text"}
     assert {"loss", "mtp_loss", "mtp_agree", "draft_loss", "draft_agree"} <= set(m["heldout"]["planner"])
-    q = m["quality"]
-    assert 0 <= q["planner"]["valid_and_objects_match"] <= 1 and 0 <= q["action"]["in_range"] <= 1
+    from export.zoo.train import QUICK
+    plans, actions = m["quality"]["planner"], m["quality"]["action"]
+    assert plans["n"] == actions["n"] == QUICK.report_examples  # measured on as many held-out answers as asked
+    # each share is a stricter count of the same answers: an exact plan names the right objects, which needs valid JSON
+    assert plans["exact_plan"] <= plans["valid_and_objects_match"] <= plans["valid_json"]
+    assert actions["in_range"] <= actions["first_chunk_in_range"]  # a lone in-range chunk has an in-range first chunk
     assert m["total_bytes"] < 25 * 2**20
     # resuming a finished build redoes no training
     assert main(["zoo", "build", "--quick", "--out", str(out), "--resume", "--no-report"]) == 0

@@ -18,6 +18,7 @@ from export.onnx.graph import input_names
 from export.tensorrt.build import (ENGINE_DIR, TIMING_CACHE, check_tensorrt_version, context_rows, engine_params,
                              engine_path, install_engines, write_bytes_atomically)
 from runtime.model import bundle as bundle_mod
+from runtime.drafters import registry
 from runtime.memory import plan as memory
 from runtime.backends.numpy_ref import cache_shape
 from runtime.backends.onnx import causal_additive_mask
@@ -253,8 +254,8 @@ def test_engines_are_installed_atomically_with_checksums_versions_and_profiles(t
     assert again.files[TIMING_CACHE].size == len(b"timings")
     assert memory.bundle_kv_bytes(again, "tensorrt") == 2
     # the plan counts the engine's chunked prefill (64 tokens), not a whole-context prefill
-    assert memory.bundle_inputs(again, "none", "tensorrt", 5).prefill_tokens == 64
-    assert memory.bundle_inputs(again, "none", "numpy_ref", 5).prefill_tokens is None
+    assert registry.plan_inputs(again, "none", "tensorrt", 5).prefill_tokens == 64
+    assert registry.plan_inputs(again, "none", "numpy_ref", 5).prefill_tokens is None
     assert not [f for f in os.listdir(os.path.join(root, ENGINE_DIR)) if f.endswith(".tmp")]
     with open(os.path.join(root, ENGINE_DIR, "target.engine"), "ab") as f:
         f.write(b"x")

@@ -77,7 +77,8 @@ def test_certify_tests_a_fixed_shape_drafter_once_in_its_own_shape():
     assert tree_widths("auto", 1, SimpleNamespace(kind="medusa", fixed_shape=True, branching=1)) == [1]
     with pytest.raises(ConfigError, match="--trees"):
         tree_widths("2,3", 1, medusa_like)
-    draft_like = SimpleNamespace(kind="draft_model", builds_sampled_trees=True, branching=1)
+    draft_like = SimpleNamespace(kind="draft_model", fixed_shape=False, builds_sampled_trees=True, takes_branching=True,
+                                 branching=1)
     assert tree_widths("auto", 1, draft_like) == [1, 2, 3]
 
 

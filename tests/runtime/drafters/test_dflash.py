@@ -20,6 +20,7 @@ from export.drafters.dflash import read_dflash_checkpoint
 from runtime.backends.numpy_ref import NumpyTarget, cache_shape
 from runtime.certify.run import certify
 from runtime.drafters.base import DraftContext
+from runtime.drafters import registry
 from runtime.drafters.dflash import DFlashDrafter
 from runtime.decode.engine import Engine
 from runtime.errors import BundleError
@@ -307,7 +308,7 @@ def test_bundle_carries_dflash_drafters_to_a_session_with_greedy_identity(tmp_pa
     assert b.drafters["dflash2"].target_taps == ("layer_out.0", "layer_out.2")
     from runtime.memory import plan as memory
     for kind in ("dflash", "dflash2"):  # the memory plan counts the drafter's own tensors, not a second embedding
-        inp = memory.bundle_inputs(b, kind, "numpy_ref", 5)
+        inp = registry.plan_inputs(b, kind, "numpy_ref", 5)
         numel = sum(v.size for v in read_dflash_checkpoint(dirs[kind == "dflash2"]).weights.values())
         assert sum(memory.drafter_weight_bytes(inp)) + inp.drafter_extra_bytes == 4 * numel
     params = GenerationParams(max_tokens=20)

@@ -66,11 +66,18 @@ def test_greedy_output_is_token_identical_to_plain_decoding(model, mode):
     kind, tree, branching = MODES[mode]
     s = session(model, kind, tree, branching)
     plain = Engine(s.target, None)
+    trees = []
+    propose = s.drafter.propose
+    s.drafter.propose = lambda ctx: trees.append(propose(ctx)) or trees[-1]
+    # the first cycle's draft, full size: the dynamic tree's total_tokens, else branching chains of num_tokens 3
+    full = TREE.total_tokens if tree is not None else 3 * branching
     for prompt in ([5, 6, 7, 8, 9], [1, 40, 2, 40, 2, 40], [90]):
+        trees.clear()
         want = plain.generate(prompt, SamplingParams(), 40).tokens
         out = s.engine.generate(prompt, SamplingParams(), 40)
         assert out.tokens == want
-        assert out.stats.cycles < 40 or out.stats.tau == 1.0
+        # identity was tested against real drafts (an empty draft is plain decoding, trivially identical)
+        assert len(trees[0]) == full
 
 
 def test_drafter_runs_only_the_newly_committed_positions(model):

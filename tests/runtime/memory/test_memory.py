@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from runtime.drafters import registry
 from runtime.memory import plan as memory
 from runtime.config import RuntimeConfig
 from runtime.errors import BudgetExceeded
@@ -111,7 +112,7 @@ def test_a_session_over_budget_is_refused_with_the_numbers_before_any_allocation
 
 def test_the_arena_is_sized_from_the_plan_and_a_longer_request_is_refused_before_it_runs(tiny_bundle):
     from runtime.model import bundle as bundle_io
-    inp = memory.bundle_inputs(bundle_io.load(tiny_bundle), "draft_model", "numpy_ref", 5)
+    inp = registry.plan_inputs(bundle_io.load(tiny_bundle), "draft_model", "numpy_ref", 5)
     budget_mb = memory.budget_needed(inp, 200) / MiB
     session = Session(budget_config(tiny_bundle, budget_mb))
     fit = memory.max_context(inp, int(budget_mb * MiB))
@@ -194,17 +195,17 @@ def test_int8_int4_onnx_and_gguf_entries_weigh_what_their_files_weigh(tiny_bundl
                             gguf=({"quant": "q4_K_M", "precision": "int4"}, {"gguf/t.q4_K_M.gguf": 800_000}))
     spec = b.target.spec
     for backend, precision, total, head_precision in [("onnx", "int4", 1_000_000, "fp32"), ("gguf", "auto", 800_000, "q6_K")]:
-        inp = memory.bundle_inputs(b, "none", backend, 5, precision)
+        inp = registry.plan_inputs(b, "none", backend, 5, precision)
         rows = {r.name: r.bytes for r in memory.plan_rows(inp, 64, 10**9)}
         head = memory.math.ceil(spec.vocab_size * spec.hidden_size * memory.BYTES_PER_WEIGHT[head_precision])
         assert inp.head_precision == head_precision and rows["target embedding + head"] == head
         assert rows["target weights"] + rows["target embedding + head"] == total  # the files, split by the head's share
-    assert memory.bundle_inputs(b, "none", "onnx", 5, "int4").kv_bytes == 4  # a quantised graph keeps float32 K/V
-    gguf = memory.bundle_inputs(b, "none", "gguf", 5)
+    assert registry.plan_inputs(b, "none", "onnx", 5, "int4").kv_bytes == 4  # a quantised graph keeps float32 K/V
+    gguf = registry.plan_inputs(b, "none", "gguf", 5)
     assert gguf.kv_bytes == 2 and gguf.prefill_tokens == memory.GGUF_BATCH  # llama.cpp: f16 K/V, batches of 512
     rows = {r.name: r.bytes for r in memory.plan_rows(gguf, 1000, 10**9)}
     assert rows["prefill logits"] == 2 * 4 * 1000 * spec.vocab_size  # the batches' logits and their concatenation
-    assert memory.bundle_inputs(b, "none", "numpy_ref", 5).target_file_bytes is None  # widened to float32: the dims
+    assert registry.plan_inputs(b, "none", "numpy_ref", 5).target_file_bytes is None  # widened to float32: the dims
 
 
 def test_llama_cpp_quants_from_a_config_alone(capsys, monkeypatch):
@@ -239,9 +240,9 @@ def test_profile_save_stores_the_measured_overhead_and_later_plans_use_it(tiny_b
     assert r["measured_overhead_bytes"] == r["measured_peak_bytes"] - (r["planned_peak_bytes"] - next(
         row["bytes"] for row in r["rows"] if row["name"] == "runtime overhead"))
     assert [f for f in os.listdir(copy) if f.endswith(".tmp")] == []
-    inp = memory.bundle_inputs(bundle_io.load(copy), "draft_model", "numpy_ref", 5)  # checksums still hold
+    inp = registry.plan_inputs(bundle_io.load(copy), "draft_model", "numpy_ref", 5)  # checksums still hold
     assert inp.overhead_bytes == saved["runtime_overhead_bytes"] and "--save" in inp.overhead_note
-    assert memory.bundle_inputs(bundle_io.load(copy), "none", "onnx", 5).overhead_bytes == memory.RUNTIME_OVERHEAD["onnx"]
+    assert registry.plan_inputs(bundle_io.load(copy), "none", "onnx", 5).overhead_bytes == memory.RUNTIME_OVERHEAD["onnx"]
     code, out, _ = run_cli(["memory", "plan", "--bundle", copy, "--backend", "numpy_ref", "--json"], capsys)
     row = next(x for x in json.loads(out)["rows"] if x["name"] == "runtime overhead")
     assert row["bytes"] == saved["runtime_overhead_bytes"] and "measured by `edgespec memory profile --save`" in row["note"]

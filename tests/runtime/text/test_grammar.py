@@ -82,8 +82,8 @@ class IgnoresGrammar(Drafter):
     def __init__(self, inner):
         self.inner, self.kind, self.branching = inner, inner.kind + " (ignores grammar)", getattr(inner, "branching", 1)
 
-    def begin(self, prompt, taps):
-        self.inner.begin(prompt, taps)
+    def begin(self, prompt, taps, start=0):
+        self.inner.begin(prompt, taps, start)
 
     def propose(self, ctx):
         return self.inner.propose(dataclasses.replace(ctx, allowed=None))
