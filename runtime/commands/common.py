@@ -19,7 +19,7 @@ DEFAULT_BUNDLE = RuntimeConfig().bundle  # relative: resolved by `resolve_bundle
 
 # flag attribute -> config key it sets (sampling keys only where the command defines the flag)
 MODEL_FLAGS = {"backend": "backend.kind", "precision": "backend.precision", "drafter": "drafter.kind",
-               "num_draft": "drafter.num_tokens", "branching": "drafter.branching",
+               "num_draft": "drafter.num_tokens", "branching": "drafter.branching", "shape": "drafter.shape",
                "max_context": "memory.max_context", "prefix_cache": "memory.prefix_cache",
                "lossy_typical_acceptance": "decoding.lossy_typical_acceptance"}
 SAMPLING_FLAGS = {"max_tokens": "generation.max_tokens", "temperature": "generation.temperature",
@@ -71,6 +71,10 @@ def add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
                                          "(default: the bundle's)")
     g.add_argument("--num-draft", type=int, help="draft tokens per branch per cycle, 1..64 (default 4)")
     g.add_argument("--branching", type=int, help="branches per tree node, 1..16 (default 1 = a chain)")
+    g.add_argument("--shape", choices=["auto", "fixed", "adaptive"],
+                   help="draft shape: fixed = the drafter's own every cycle; adaptive = each cycle's node budget from "
+                        "the cost model and the acceptance so far; auto (default) = adaptive where `edgespec tune` "
+                        "measured this machine, else fixed")
     g.add_argument("--max-context", type=int, help="KV positions per model, 16..1048576 (default 2048)")
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False,
                    help="prefill every prompt in full (default: keep the K/V of the prefix shared with the "

@@ -32,8 +32,8 @@ HELP = """Measure this machine and choose each drafter's draft depth from the me
                0 = plain decoding where drafting cannot pay.
 
 The tune is written to BUNDLE/tune.yaml for this backend, precision and machine; a tune from another machine is
-reported, not used. Afterwards `edgespec generate` / `bench` / the ROS node draft adaptively (stats say
-shape=adaptive (tuned)); `--shape fixed` (config drafter.shape) turns it off.
+reported, not used. Afterwards generate, bench and the ROS node draft adaptively (stats say
+shape=adaptive (tuned)); --shape fixed (config drafter.shape) turns it off.
 
 examples:
   edgespec tune --bundle build/bundles/zoo

@@ -8,6 +8,7 @@ import ctypes
 import gc
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Sequence
@@ -161,6 +162,9 @@ def eos_ids(bundle, prompts: PromptFormat, tokenizer: Tokenizer) -> List[int]:
     return sorted(eos)
 
 
+_SAID: set = set()  # one-line notes already printed in this process
+
+
 class Session:
     """One model, one drafter, one KV arena. Requests run one at a time (batch 1)."""
 
@@ -187,6 +191,9 @@ class Session:
         self.shape = choose_shape(config.drafter.shape, config.bundle, backend.kind, str(precision_key), name,
                                   config.drafter.num_tokens)
         self.shape_precision = str(precision_key)  # what a tune of this session is keyed by, with backend and machine
+        if self.shape.note and self.shape.note not in _SAID:  # a tune of another machine: said once, not used
+            _SAID.add(self.shape.note)
+            print(f"edgespec: {self.shape.note}", file=sys.stderr)
         num_tokens = self.shape.num_tokens
         # The plan (runtime/memory/plan.py) sizes the arena; an over-budget session is refused before any allocation.
         shapes = registry.cache_shapes(b, name)
