@@ -34,8 +34,8 @@ from runtime.decode.engine import DecodeStats, Engine, StopCheck
 from runtime.errors import BudgetExceeded, BundleError, RequestError
 from runtime.text.grammar import Grammar, GrammarTokenizer
 from runtime.memory.kv import KVArena
-from runtime.text.prompts import (ACTION_CHUNK, ZOO_PROMPTS, action_prompt, parse_plan, plan_objects, planner_prompt,
-                             zoo_tokens_in)
+from runtime.text.prompts import (ACTION_CHUNK, ZOO_PROMPTS, action_request, parse_plan, plan_objects,
+                                  planner_request, zoo_tokens_in)
 from runtime.sampling import SamplingParams
 from runtime.text.templates import PromptFormat
 from runtime.text.tokenizer import StreamDecoder, Tokenizer
@@ -464,7 +464,7 @@ class Session:
         """`schema` (a JSON Schema, dict or text; configs/plan_schema.json is the zoo's) makes every plan valid
         by construction, unless max_tokens cuts it short (finish_reason "max_tokens")."""
         constraint = self.grammar(schema, None, "schema")
-        ids = self.tokenizer.encode(planner_prompt(instruction, context, self.prompts))
+        ids = self.tokenizer.encode_prompt(planner_request(instruction, context, self.prompts))
         text, _, finish, stats = self.generate_ids(ids, params, on_delta=on_delta, grammar=constraint)
         try:
             steps = parse_plan(text)
@@ -480,7 +480,7 @@ class Session:
             raise RequestError("observation_text", "is set and so is observation: send only one of them "
                                                    "(observation: the numbers; observation_text: the same as text)")
         obs = observation_text if observation_text else list(observation)  # the numbers are checked by the prompt
-        ids = self.tokenizer.encode(action_prompt(instruction, obs, self.prompts))
+        ids = self.tokenizer.encode_prompt(action_request(instruction, obs, self.prompts))
         at = self.actions
         # Exactly num_actions * dims action-bin tokens then EOS: the trivial grammar, masked like any other
         # (on every verify row and on the drafter's q). max_tokens ends the answer before its EOS.
