@@ -4,6 +4,7 @@ This is the API the CLI and the ROS 2 node use; it turns text requests (free gen
 action tokens) into engine calls and checks every request before any work starts."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import json
@@ -31,7 +32,7 @@ from runtime.drafters.medusa import MedusaDrafter, resolve_tree
 from runtime.drafters.mtp import MTPDrafter, mtp_cache_shape
 from runtime.drafters.ngram import NgramDrafter
 from runtime.decode.engine import DecodeStats, Engine, StopCheck
-from runtime.errors import BudgetExceeded, BundleError, RequestError
+from runtime.errors import BudgetExceeded, BundleError, RequestError, RequestTooLong
 from runtime.text.grammar import Grammar, GrammarTokenizer
 from runtime.memory.kv import KVArena
 from runtime.text.prompts import (ACTION_CHUNK, ZOO_PROMPTS, action_request, parse_plan, plan_objects,
@@ -273,6 +274,21 @@ def eos_ids(bundle, prompts: PromptFormat, tokenizer: Tokenizer) -> List[int]:
     return sorted(eos)
 
 
+@contextlib.contextmanager
+def prompt_named(fields: Dict[str, str]):
+    """A refusal of the prompt (too long for the context or the budget) names the request field it came from:
+    a Plan or ActionTokens request has no `prompt`. The longest field is the one to shorten, also when the
+    template's own tokens are what fills a tiny context."""
+    try:
+        yield
+    except RequestError as exc:
+        if exc.field != "prompt":
+            raise
+        name = max((k for k in fields if fields[k]), key=lambda k: len(fields[k]), default="instruction")
+        detail = str(exc).split(": ", 1)[-1]
+        raise type(exc)(name, f"is {len(fields[name])} characters, the longest part of the prompt, which {detail}") from None
+
+
 class Session:
     """One model, one drafter, one KV arena. Requests run one at a time (batch 1)."""
 
@@ -409,8 +425,8 @@ class Session:
         params.check()
         need = len(prompt_ids) + params.max_tokens
         if self.budget_positions is not None and need > self.budget_positions and isinstance(params.max_tokens, int):
-            raise BudgetExceeded(memory.over_budget(self.plan_inputs, self.budget_bytes, need,
-                                                    f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens})"))
+            raise RequestTooLong("prompt", memory.over_budget(
+                self.plan_inputs, self.budget_bytes, need, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens})"))
         start = time.monotonic()
         decoder = StreamDecoder(self.tokenizer)
         state = {"n": 0, "stopped": False}
@@ -460,12 +476,17 @@ class Session:
         return GenerationResult(text, tokens, finish, stats)
 
     def plan(self, instruction: str, context: str = "", params: GenerationParams = GenerationParams(),
-             on_delta: Optional[Callable[[str, int], None]] = None, schema=None) -> PlanResult:
+             on_delta: Optional[Callable[[str, int], None]] = None, schema=None, observation: str = "") -> PlanResult:
         """`schema` (a JSON Schema, dict or text; configs/plan_schema.json is the zoo's) makes every plan valid
-        by construction, unless max_tokens cuts it short (finish_reason "max_tokens")."""
+        by construction, unless max_tokens cuts it short (finish_reason "max_tokens"). `observation` (text)
+        joins the context as 'Observation: ...'."""
         constraint = self.grammar(schema, None, "schema")
-        ids = self.tokenizer.encode_prompt(planner_request(instruction, context, self.prompts))
-        text, _, finish, stats = self.generate_ids(ids, params, on_delta=on_delta, grammar=constraint)
+        fields = {"instruction": instruction, "context": context, "observation": observation}
+        joined = "\n".join(s for s in (context, observation and f"Observation: {observation}") if s)
+        ids = self.tokenizer.encode_prompt(planner_request(instruction, joined, self.prompts,
+                                                           "context" if context else "observation"))
+        with prompt_named(fields):
+            text, _, finish, stats = self.generate_ids(ids, params, on_delta=on_delta, grammar=constraint)
         try:
             steps = parse_plan(text)
             return PlanResult(text, steps, True, "", sorted(plan_objects(steps)), finish, stats)
@@ -488,7 +509,8 @@ class Session:
         params = replace(params, max_tokens=n, stop=())
         grammar = self._compiled(("actions", n), lambda: Grammar.token_run(at.allowed_token_ids(), n,
                                                                            self._grammar_tok(), "num_actions"))
-        _, tokens, finish, stats = self.generate_ids(ids, params, grammar=grammar)
+        with prompt_named({"instruction": instruction, "observation_text": observation_text}):
+            _, tokens, finish, stats = self.generate_ids(ids, params, grammar=grammar)
         usable = len(tokens) - len(tokens) % at.dims
         actions = at.decode(tokens[:usable]) if usable else np.zeros((0, at.dims), np.float32)
         return ActionResult(list(tokens), actions, at.dims, finish, stats)

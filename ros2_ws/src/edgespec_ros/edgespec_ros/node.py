@@ -41,6 +41,7 @@ from edgespec_ros.parameters import declare_parameters
 from edgespec_ros.qos import REQUEST_QOS, action_qos_kwargs
 from edgespec_ros.request_queue import PRIORITY_ACTIONS, PRIORITY_NORMAL, GaveUp, QueueFull, RequestQueue
 from runtime.errors import EdgespecError, RequestError
+from runtime.serving.limits import LIMIT_OF, RequestLimits
 from runtime.serving.session import GenerationParams, Session, return_large_blocks_on_free
 
 
@@ -58,7 +59,7 @@ class EdgespecNode(LifecycleNode):
         self._stopping: Optional[str] = None  # why the process is shutting down (e.g. "SIGTERM received")
         self._lock = threading.Lock()  # guards the counters below
         self._in_flight = 0  # requests taken (service calls, accepted goals) and not yet answered
-        self._counts = {"served": 0, "failed": 0, "rejected": 0}
+        self._counts = {"served": 0, "failed": 0, "rejected": 0, "queue_full": 0}
         self._last_error: Optional[str] = None
         self._last_error_at = 0.0  # time.monotonic() of the last error
         self._failing = False  # the last request failed (WARN) until one succeeds or the node is re-activated
@@ -154,10 +155,9 @@ class EdgespecNode(LifecycleNode):
             return self._plan(req, resp)
 
     def _plan(self, req: Plan.Request, resp: Plan.Response) -> Plan.Response:
-        context = "\n".join(s for s in (req.context, req.observation and f"Observation: {req.observation}") if s)
-
         def run(session: Session, params: GenerationParams, _stop):
-            return session.plan(req.instruction, context=context, params=params, schema=req.schema or None)
+            return session.plan(req.instruction, context=req.context, observation=req.observation, params=params,
+                                schema=req.schema or None)
 
         return self._serve("plan", req, resp, PRIORITY_NORMAL, run, messages.fill_plan)
 
@@ -258,7 +258,7 @@ class EdgespecNode(LifecycleNode):
             self._finished(res.stats)
         except RequestError as exc:
             resp.success, resp.error_field, resp.message = False, exc.field, str(exc)
-            self._count("failed")
+            self._count("queue_full" if exc.field == "queue" else "failed")  # a full queue is load, not a failure
             self.get_logger().warning(f"{kind}: refused: {exc}")
         except EdgespecError as exc:
             resp.success, resp.message = False, f"{type(exc).__name__}: {exc}"
@@ -274,7 +274,11 @@ class EdgespecNode(LifecycleNode):
         return resp
 
     def _params(self, req, prompt_field: str) -> GenerationParams:
-        """Cheap checks answered before queueing; the runtime checks the rest (prompt length, budget, ...)."""
+        """Cheap checks answered before queueing; the runtime checks the rest (prompt length, budget, ...).
+        The sizes come first: nothing else may look at a text before its length is known to be bounded."""
+        p = self.p
+        limits = RequestLimits(p.max_instruction_chars, p.max_context_chars, p.max_prompt_chars, p.max_schema_chars)
+        limits.check({name: getattr(req, name) for name in LIMIT_OF if isinstance(getattr(req, name, None), str)})
         if not getattr(req, prompt_field).strip():
             raise RequestError(prompt_field, "is empty: send the instruction text")
         if not math.isfinite(req.temperature) or req.temperature < 0:
@@ -283,8 +287,11 @@ class EdgespecNode(LifecycleNode):
             raise RequestError("deadline_s", f"must be >= 0 seconds (0 = none), got {req.deadline_s}")
         kwargs = dict(max_tokens=getattr(req, "max_tokens", 0) or self.p.default_max_tokens,
                       temperature=float(req.temperature), seed=int(req.seed))
-        if getattr(req, "top_p", 0.0) > 0:
-            kwargs["top_p"] = float(req.top_p)
+        top_p = float(getattr(req, "top_p", 0.0))
+        if not 0.0 <= top_p <= 1.0:  # NaN fails too; 0 means off (the message's default)
+            raise RequestError("top_p", f"must be in [0, 1] (0 = off), got {top_p}")
+        if top_p > 0:
+            kwargs["top_p"] = top_p
         if getattr(req, "top_k", 0) > 0:
             kwargs["top_k"] = int(req.top_k)
         return GenerationParams(**kwargs)
@@ -400,6 +407,7 @@ class EdgespecNode(LifecycleNode):
             "requests_served": counts["served"],
             "requests_failed": counts["failed"],
             "goals_rejected": counts["rejected"],
+            "requests_refused_queue_full": counts["queue_full"],  # load, not failures: not in requests_failed
             "last_error": last_error or "",  # kept after a success, with its age; WARN only while failing
             "last_error_age_s": error_age_s if last_error else "",
             "configure_error": self._configure_error or "",
