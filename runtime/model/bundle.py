@@ -173,11 +173,16 @@ def load(path: str, verify_checksums: bool = True) -> Bundle:
     if not os.path.isdir(path):
         raise BundleError(f"{os.path.abspath(path)}: no such bundle directory; build one with `edgespec bundle "
                           "--target DIR --out DIR` (the zoo: `make bundles`)")
+    if not os.access(path, os.R_OK | os.X_OK):  # else every file in it reads as "missing"
+        raise BundleError(f"{os.path.abspath(path)}: cannot read this bundle directory (permission denied for this "
+                          "user); give it read and search permission (chmod -R u+rX) or run as its owner")
     if not os.path.isfile(manifest):
         raise BundleError(f"{manifest}: missing; this directory is not a bundle ({REBUILD})")
     try:
         with open(manifest) as f:
             m = yaml.safe_load(f)
+    except OSError as exc:
+        raise BundleError(f"{manifest}: cannot read ({exc.strerror}); fix its permissions (chmod u+r)") from exc
     except yaml.YAMLError as exc:
         raise BundleError(f"{manifest}: not valid YAML ({exc}); {REBUILD}") from exc
     if not isinstance(m, dict):
@@ -274,7 +279,11 @@ def _check_files(bundle: Bundle, verify_checksums: bool) -> None:
         size = os.path.getsize(full)
         if size != entry.size:
             raise BundleError(f"{full}: corrupt (size {size} bytes, manifest says {entry.size}); copy it again or re-export")
-        if verify_checksums and sha256_of(full) != entry.sha256:
+        try:
+            digest = sha256_of(full) if verify_checksums else entry.sha256
+        except OSError as exc:
+            raise BundleError(f"{full}: cannot read ({exc.strerror}); fix its permissions (chmod u+r)") from exc
+        if digest != entry.sha256:
             raise BundleError(f"{full}: corrupt (sha256 differs from the manifest); copy it again or re-export")
 
 

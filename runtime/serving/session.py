@@ -416,6 +416,17 @@ class Session:
         gc.collect()
         return_freed_memory()
 
+    def warm_up(self) -> DecodeStats:
+        """One short request through the configured backend and drafter, EOS masked so that a cycle with a
+        draft is sure to run: a combination that cannot serve (e.g. an fp16 graph fed float32 by a drafter)
+        fails here, at start-up, instead of on every request. Also pays the backend's first-run allocations."""
+        eos = set(self.engine.eos)
+        others = tuple(t for t in range(self.bundle.target.spec.vocab_size) if t not in eos)
+        ids = self.tokenizer.encode("ready") or [others[0]]
+        steps = 2 + max(2, self.config.drafter.num_tokens)  # prefill's token, then a cycle with room to draft
+        _, _, _, stats = self.generate_ids(ids, GenerationParams(max_tokens=steps), allowed_tokens=others)
+        return stats
+
     # -- requests ---------------------------------------------------------------------------------
 
     def generate_ids(self, prompt_ids: Sequence[int], params: GenerationParams, allowed_tokens=None,

@@ -45,9 +45,6 @@ from runtime.serving.limits import LIMIT_OF, RequestLimits
 from runtime.serving.session import GenerationParams, Session, return_large_blocks_on_free
 
 
-WARMUP_PROMPT = "<|bos|><|text|>ready"  # run once at configure
-
-
 class EdgespecNode(LifecycleNode):
     def __init__(self, node_name: str = "edgespec", **kwargs):
         super().__init__(node_name, **kwargs)
@@ -94,25 +91,29 @@ class EdgespecNode(LifecycleNode):
         p = self.p
         self.get_logger().info(f"configure: opening bundle {p.bundle_path()} (drafter={p.drafter or 'default'}, "
                                f"backend={p.backend or 'auto'}, max_context={p.max_context or 'default'})")
+        self._configure_error = None  # this attempt's reason, not the previous bundle's
+        step = "opening the bundle"
         try:
             self.session = Session.open(p.bundle_path(), drafter=p.drafter or None, backend=p.backend or None,
                                         max_context=p.max_context or None)
-        except EdgespecError as exc:
-            self._configure_error = f"{type(exc).__name__}: {exc}"
-            self.get_logger().error(f"configure failed: {self._configure_error}")
-            return TransitionCallbackReturn.FAILURE
-        try:  # the first request should not pay the backend's first-run allocations (tens of ms on ONNX Runtime)
-            self.session.generate_ids(self.session.tokenizer.encode(WARMUP_PROMPT), GenerationParams(max_tokens=2))
-        except EdgespecError as exc:
-            self._configure_error = f"warm-up request failed: {type(exc).__name__}: {exc}"
-            self.get_logger().error(f"configure failed: {self._configure_error}")
-            self._close_session()
-            return TransitionCallbackReturn.FAILURE
-        self._configure_error = None
+            step = "the warm-up request (configured drafter and backend)"
+            self.session.warm_up()
+        except Exception as exc:  # whatever it is (a PermissionError on a data file, an ONNX Runtime type error)
+            return self._configure_failed(step, exc)
         self._memory_bytes = self.session.memory_in_use()
         self.get_logger().info(f"configured: drafter={self.session.drafter_kind} backend={self.session.backend_name} "
                                f"memory={self._memory_bytes / 2**20:.1f} MiB")
         return TransitionCallbackReturn.SUCCESS
+
+    def _configure_failed(self, step: str, exc: Exception) -> TransitionCallbackReturn:
+        """Log the reason, put it on /diagnostics (ERROR) and stay unconfigured; a bug gets its traceback."""
+        where = "" if step == "opening the bundle" else f"{step} failed: "
+        self._configure_error = f"{where}{type(exc).__name__}: {exc}"
+        trace = "" if isinstance(exc, EdgespecError) else "\n" + traceback.format_exc()
+        self.get_logger().error(f"configure failed: {self._configure_error}{trace}")
+        if self.session is not None:
+            self._close_session()
+        return TransitionCallbackReturn.FAILURE
 
     def on_activate(self, state: State) -> TransitionCallbackReturn:
         self._active = True
