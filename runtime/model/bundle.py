@@ -12,7 +12,7 @@ import os
 import re
 import tempfile
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
 
@@ -261,6 +261,26 @@ def _referenced(bundle: Bundle):
         for b in d.backends.values():
             refs += b.files
     return refs
+
+
+def file_stamps(bundle: Bundle) -> Dict[str, Tuple[int, int]]:
+    """(size, mtime in ns) of the manifest and each file it lists, as they are now ((-1, -1): missing)."""
+    stamps = {}
+    for rel in (MANIFEST, *bundle.files):
+        try:
+            st = os.stat(bundle.path(rel))
+            stamps[rel] = (st.st_size, st.st_mtime_ns)
+        except OSError:
+            stamps[rel] = (-1, -1)
+    return stamps
+
+
+def changed_files(bundle: Bundle, stamps: Dict[str, Tuple[int, int]]) -> List[str]:
+    """The bundle's files that differ from `stamps` (taken when it was loaded), each with how.
+
+    Example: ['bundle.yaml (modified)', 'target.safetensors (missing)']."""
+    now = file_stamps(bundle)
+    return [f"{rel} ({'missing' if now[rel][0] < 0 else 'modified'})" for rel in stamps if now.get(rel) != stamps[rel]]
 
 
 def _check_files(bundle: Bundle, verify_checksums: bool) -> None:

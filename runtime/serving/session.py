@@ -298,6 +298,7 @@ class Session:
             set_blas_threads(config.backend.blas_threads)
         self.bundle = bundle_io.load(config.bundle)
         b = self.bundle
+        self._stamps = bundle_io.file_stamps(b)  # what was loaded, to notice a bundle changed under a running node
         backend = replace(config.backend, kind=resolve_backend(config.backend.kind, b))
         self.tokenizer = Tokenizer(b.path(b.tokenizer))
         spec = b.target.spec
@@ -347,6 +348,8 @@ class Session:
         self._actions: Optional[ActionTokenizer] = None
         self._grammar_tokenizer: Optional[GrammarTokenizer] = None
         self._grammars: Dict[tuple, Grammar] = {}  # compiled grammars by (kind, text), the most recent few
+        # Measured once: the files it reads may be replaced or deleted while the model, loaded, serves on.
+        self._memory_bytes = self._measure_memory()
 
     @classmethod
     def open(cls, bundle_dir: str, drafter: Optional[str] = None, backend: Optional[str] = None,
@@ -366,9 +369,18 @@ class Session:
         return cls(cfg)
 
     def memory_in_use(self) -> int:
+        """Bytes held: the KV arena, the target's weights and the drafter's (measured at load)."""
+        return self._memory_bytes
+
+    def _measure_memory(self) -> int:
         weights = int(getattr(self.target, "weight_bytes", 0))
         draft = self.drafter.memory_bytes if self.drafter else 0
         return self.arena.capacity_bytes + weights + draft
+
+    def changed_files(self) -> List[str]:
+        """Bundle files changed or removed on disk since this session loaded them (it serves on from memory;
+        a new session loads the new ones). Costs one stat per file."""
+        return bundle_io.changed_files(self.bundle, self._stamps)
 
     @property
     def actions(self) -> ActionTokenizer:

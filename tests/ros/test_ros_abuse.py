@@ -155,3 +155,32 @@ def test_every_configure_failure_is_an_error_on_diagnostics_with_its_reason(tiny
         assert log.count("configure failed") == 2 and "PermissionError" in log and TYPE_ERROR in log
     finally:
         assert node.stop() == 0, node.log()
+
+
+# ---------------------------------------------------------------------------------------------- bundle files
+
+def test_a_bundle_changed_under_the_running_node_is_reported_and_a_reconfigure_loads_it(
+        tiny_bundle, client_node, tmp_path):
+    import shutil
+
+    bundle = str(tmp_path / "bundle")
+    shutil.copytree(tiny_bundle, bundle)
+    weights = os.path.join(bundle, "target", "model.safetensors")
+    path = "/changed/edgespec"
+    node = start_node(str(tmp_path), "/changed", {"bundle": bundle, "drafter": "draft_model", "autostart": True,
+                                                  "diagnostics_period_s": 0.2})
+    try:
+        client = connect(client_node, node, path)
+        os.rename(weights, weights + ".moved")  # e.g. a re-export next to the running node
+        resp = client.plan(instruction="bring the cup", max_tokens=4)
+        assert resp.success, resp.message  # the model is in memory: nothing is read again per request
+        status, values = wait_for_diagnostics(client_node, path, lambda s, _v: s.level == WARN)
+        assert values["bundle_changed"] == "target/model.safetensors (missing)"
+        assert "target/model.safetensors (missing)" in status.message and "reconfigure" in status.message
+        shutil.copyfile(weights + ".moved", weights)  # the new export in place (same content, new file)
+        assert client.change_state("deactivate") and client.change_state("cleanup")
+        assert client.change_state("configure") and client.change_state("activate")
+        status, values = wait_for_diagnostics(client_node, path, lambda s, v: v["state"] == "active")
+        assert status.level == OK and values["bundle_changed"] == "", status.message
+    finally:
+        assert node.stop() == 0, node.log()

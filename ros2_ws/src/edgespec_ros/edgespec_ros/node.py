@@ -391,6 +391,10 @@ class EdgespecNode(LifecycleNode):
         message = self._configure_error or state
         if failing and not self._configure_error:
             message = f"{state}; the last request failed {error_age_s:.1f} s ago: {last_error}"
+        changed = session.changed_files() if session is not None else []
+        if changed and not failing:
+            message = (f"{state}; the bundle changed on disk since configure: {', '.join(changed)}; serving the "
+                       "model loaded then: reconfigure (cleanup, configure) to load the new files")
         values = {
             "state": state,
             "bundle": self.p.bundle_path(),
@@ -412,8 +416,9 @@ class EdgespecNode(LifecycleNode):
             "last_error": last_error or "",  # kept after a success, with its age; WARN only while failing
             "last_error_age_s": error_age_s if last_error else "",
             "configure_error": self._configure_error or "",
+            "bundle_changed": ", ".join(changed),
         }
-        level = messages.request_level(state, failing, self._configure_error)
+        level = messages.request_level(state, failing or bool(changed), self._configure_error)
         self._diag_pub.publish(messages.diagnostic_array(
             self.get_clock().now().to_msg(), f"edgespec: {self.get_fully_qualified_name()}",
             values["backend"] or "edgespec", level, message, values))
