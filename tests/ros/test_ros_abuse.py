@@ -109,6 +109,24 @@ def test_queue_refusals_are_counted_as_load_not_as_failed_requests(served, clien
     assert int(after["requests_failed"]) == int(before["requests_failed"]), (answers, before, after)
 
 
+def test_a_goal_accepted_in_a_burst_is_served_never_aborted_for_a_full_queue(served, client_node):
+    from edgespec_interfaces.action import Generate
+    from edgespec_interfaces.srv import Plan
+
+    client, _ = served  # queue_limit=1
+    sent, plans = [], []
+    for i in range(8):  # plans arriving between a goal's acceptance and its execution took its place
+        sent.append(client.generate_client.send_goal_async(Generate.Goal(prompt=f"navigate {i}", max_tokens=4)))
+        plans += [client.plan_client.call_async(Plan.Request(instruction=f"cup {i}.{j}", max_tokens=2))
+                  for j in range(3)]
+    spin_all(client_node, sent + plans)
+    accepted = [f.result() for f in sent if f.result().accepted]
+    assert accepted, "the first goal of the burst finds the queue free"
+    results = [client.result(h)[1] for h in accepted]
+    assert [(r.success, r.error_field) for r in results] == [(True, "")] * len(results), \
+        [r.message for r in results]
+
+
 # ---------------------------------------------------------------------------------------------- configure
 
 def _set(client, client_node, name: str, value: str) -> None:

@@ -57,6 +57,7 @@ class EdgespecNode(LifecycleNode):
         self._lock = threading.Lock()  # guards the counters below
         self._in_flight = 0  # requests taken (service calls, accepted goals) and not yet answered
         self._counts = {"served": 0, "failed": 0, "rejected": 0, "queue_full": 0}
+        self._reserved = {}  # id(goal message) -> (queue ticket, arrival): accepted goals not yet executing
         self._last_error: Optional[str] = None
         self._last_error_at = 0.0  # time.monotonic() of the last error
         self._failing = False  # the last request failed (WARN) until one succeeds or the node is re-activated
@@ -176,13 +177,21 @@ class EdgespecNode(LifecycleNode):
         return self._serve("action_tokens", req, resp, priority, run, messages.fill_action_tokens)
 
     def _on_goal(self, goal: Generate.Goal) -> GoalResponse:
+        """Accept a goal only with its place in the queue taken: a goal accepted on a free slot that another
+        request took before it executed was aborted with `queue` (1-4 per burst)."""
+        received = time.monotonic()
         reason = self._not_serving()
-        if reason is None and len(self.queue) >= self.queue.limit:
-            reason = f"queue full ({self.queue.limit})"
+        if reason is None:
+            try:
+                ticket = self.queue.join(PRIORITY_NORMAL)
+            except QueueFull:
+                reason = f"queue full ({self.queue.limit})"
         if reason:
             self._count("rejected")
             self.get_logger().warning(f"generate goal rejected: {reason}")
             return GoalResponse.REJECT
+        with self._lock:
+            self._reserved[id(goal)] = (ticket, received)  # goal_handle.request is this same message
         self._track(+1)  # until _on_generate has answered it
         return GoalResponse.ACCEPT
 
@@ -194,6 +203,8 @@ class EdgespecNode(LifecycleNode):
 
     def _generate(self, goal_handle) -> Generate.Result:
         goal: Generate.Goal = goal_handle.request
+        with self._lock:
+            ticket, received = self._reserved.pop(id(goal), (None, None))
         feedback = _FeedbackBatcher(goal_handle.publish_feedback, self.p.feedback_period_s)
 
         def run(session: Session, params: GenerationParams, stop: Callable[[], bool]):
@@ -203,7 +214,8 @@ class EdgespecNode(LifecycleNode):
                 feedback.flush()
 
         result = self._serve("generate", goal, Generate.Result(), PRIORITY_NORMAL, run, messages.fill_generate,
-                             prompt_field="prompt", cancelled=lambda: goal_handle.is_cancel_requested)
+                             prompt_field="prompt", cancelled=lambda: goal_handle.is_cancel_requested,
+                             ticket=ticket, received=received)
         if result.finish_reason == "cancelled" and not goal_handle.is_cancel_requested:
             result.success, result.error_field = False, "state"  # stopped by the node, not by the client
             result.message = f"{self._not_serving() or 'node stopped serving'}; partial text returned"
@@ -216,19 +228,21 @@ class EdgespecNode(LifecycleNode):
         return result
 
     def _serve(self, kind: str, req, resp, priority: int, run, fill, prompt_field: str = "instruction",
-               cancelled: Callable[[], bool] = lambda: False):
-        """Check, queue, generate, answer. Every outcome lands in `resp`; nothing escapes to rclpy."""
-        received = time.monotonic()
-        ticket = None
+               cancelled: Callable[[], bool] = lambda: False, ticket=None, received: Optional[float] = None):
+        """Check, queue, generate, answer. Every outcome lands in `resp`; nothing escapes to rclpy. `ticket`:
+        the queue place taken when the goal was accepted; `received`: when the request arrived (queue_s counts
+        from there, the checks included)."""
+        received = received if received is not None else time.monotonic()
         try:
             params = self._params(req, prompt_field)
             why = self._not_serving()
             if why:
                 raise RequestError("state", why)
-            try:
-                ticket = self.queue.join(priority)
-            except QueueFull as exc:
-                raise RequestError("queue", str(exc)) from None
+            if ticket is None:
+                try:
+                    ticket = self.queue.join(priority)
+                except QueueFull as exc:
+                    raise RequestError("queue", str(exc)) from None
             deadline = received + req.deadline_s if req.deadline_s > 0 else None
 
             def give_up() -> Optional[str]:
@@ -245,7 +259,7 @@ class EdgespecNode(LifecycleNode):
                 self.queue.wait_turn(ticket, give_up)
             except GaveUp as exc:
                 if str(exc) in ("deadline", "cancelled"):
-                    return self._unserved(resp, str(exc), ticket.waited_s)
+                    return self._unserved(resp, str(exc), time.monotonic() - received)
                 raise RequestError("state", str(exc)) from None
             session, why = self.session, self._not_serving()
             if why or session is None:
@@ -255,7 +269,7 @@ class EdgespecNode(LifecycleNode):
             res = run(session, params, lambda: cancelled() or self._not_serving() is not None)
             fill(resp, res)
             resp.success = True
-            resp.stats = messages.stats_msg(res.stats, ticket.waited_s)
+            resp.stats = messages.stats_msg(res.stats, ticket.started_at - received)
             self._finished(res.stats)
         except RequestError as exc:
             resp.success, resp.error_field, resp.message = False, exc.field, str(exc)
