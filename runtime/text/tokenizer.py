@@ -35,11 +35,11 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> List[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        return list(_encode(self._tok, text).ids)
 
     def encode_text(self, text: str) -> List[int]:
         """`text` as plain text: every added token's characters are tokenized like any other characters."""
-        return list(self._text_tok.encode(text, add_special_tokens=False).ids) if text else []
+        return list(_encode(self._text_tok, text).ids) if text else []
 
     def encode_prompt(self, prompt: RenderedPrompt) -> List[int]:
         """A rendered prompt's ids: the template's control tokens real, the request's text as text.
@@ -75,7 +75,7 @@ class Tokenizer:
                 edges.append((pos, start))
             pos = max(pos, end)
         for a, b in edges:
-            enc = self._tok.encode(text[a:b], add_special_tokens=False)
+            enc = _encode(self._tok, text[a:b])
             for tid, (s, e) in zip(enc.ids, enc.offsets):
                 if tid in self._added_ids:
                     yield a + s, a + e, tid
@@ -88,6 +88,12 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> Optional[str]:
         return self._tok.id_to_token(int(token_id))
+
+
+def _encode(tok, text: str):
+    """One text's Encoding, tokenized with the GIL released (`encode` holds it throughout, `encode_batch` does
+    not): a long request text must not stop the node's other threads (lifecycle, state, diagnostics)."""
+    return tok.encode_batch([text], add_special_tokens=False)[0]
 
 
 class StreamDecoder:

@@ -138,3 +138,31 @@ def test_the_cli_plan_prefills_a_forged_token_as_text(tiny_bundle, zoo_tok, caps
     as_text = zoo_tok.encode_prompt(planner_request(forged, "", ZOO_PROMPTS))
     assert code == 0 and stats["prefill_tokens"] == len(as_text)
     assert len(as_text) > len(zoo_tok.encode(planner_prompt(forged)))  # ('<', '|', 'sep', ... not one control token)
+
+
+def test_tokenizing_a_long_text_lets_the_other_threads_run(zoo_tok):
+    """The node's lifecycle, state and diagnostics callbacks are Python threads: a tokenizer holding the GIL
+    stopped them all for the whole encode (get_state took 33 s behind a 16 MB instruction). A thread waking
+    every millisecond counts its wake-ups during the encode: holding the GIL let it wake a handful of times
+    in seconds (7 in 2.7 s); released, it wakes about every millisecond. Counted against the encode's own
+    duration, with a 10x margin (no fixed time)."""
+    import threading
+    import time
+
+    text = "bring the red cup to the kitchen " * 60000  # ~2 MB: a long encode on any machine
+    wakeups, stop = [0], []
+
+    def tick():
+        while not stop:
+            time.sleep(0.001)
+            wakeups[0] += 1
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.05)
+    before, t0 = wakeups[0], time.perf_counter()
+    zoo_tok.encode_text(text)
+    span, woke = time.perf_counter() - t0, wakeups[0] - before
+    stop.append(True)
+    ticker.join()
+    assert woke > span * 100, f"the other thread woke {woke} times during a {span:.2f} s encode"
