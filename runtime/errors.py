@@ -32,6 +32,11 @@ class BudgetExceeded(EdgespecError):
     """The memory budget cannot hold what was asked (weights, KV cache, a request's context)."""
 
 
+class RequestTooLong(RequestError, BudgetExceeded):
+    """A request whose prompt + max_tokens the memory budget cannot hold: the request's fault (it is refused,
+    naming its field), not the node's."""
+
+
 class BackendError(EdgespecError):
     """A backend failed (missing provider, runtime failure mid-generation)."""
 

@@ -21,6 +21,8 @@ bound by device address, rows moved on the device); then only ids, positions, ma
 cross the bus."""
 from __future__ import annotations
 
+import functools
+
 import os
 import time
 from typing import Dict, Optional, Sequence
@@ -133,7 +135,7 @@ class OnnxTarget(CacheRows):
             self._ptrs = [(f"_{i}", self.k[i].ctypes.data, self.v[i].ctypes.data) for i in range(n)]
         self.last_run_s = 0.0  # time inside ORT during the last forward (the rest is Python overhead)
 
-    @property
+    @functools.cached_property  # read once, at load: a re-export next to a running node must not fail requests
     def weight_bytes(self) -> int:
         """Bytes of the graph and its external data: what one decode step streams from memory."""
         data = self.model_path + ".data"

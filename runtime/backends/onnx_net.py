@@ -18,6 +18,8 @@ the shared arena: ORT reads host numpy arrays in place) and gets only the new ro
 into its cache itself: the graph never returns the whole cache."""
 from __future__ import annotations
 
+import functools
+
 import os
 from typing import Dict, Mapping, Optional, Sequence
 
@@ -115,7 +117,7 @@ class OnnxNet:
         got = self.session.run(names, {k: feed_as(v, self.input_dtypes.get(k)) for k, v in feeds.items()})
         return dict(zip(names, got))
 
-    @property
+    @functools.cached_property  # read once, at load: a re-export next to a running node must not fail requests
     def weight_bytes(self) -> int:
         data = self.model_path + ".data"
         return os.path.getsize(self.model_path) + (os.path.getsize(data) if os.path.isfile(data) else 0)

@@ -23,6 +23,8 @@ Not run here: this repository is developed on machines without a GPU or TensorRT
 offsets, row moves, version checks) are tested there, and `scripts/gpu_check.sh` runs this class on a GPU."""
 from __future__ import annotations
 
+import functools
+
 import ctypes
 import os
 import subprocess
@@ -228,7 +230,7 @@ class TensorRTTarget(CacheRows):
 
     # -- the TargetBackend interface -----------------------------------------------------------------
 
-    @property
+    @functools.cached_property  # read once, at load: a re-export next to a running node must not fail requests
     def weight_bytes(self) -> int:
         return os.path.getsize(self.engine_path)
 

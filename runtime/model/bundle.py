@@ -12,7 +12,7 @@ import os
 import re
 import tempfile
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
 
@@ -261,11 +261,16 @@ def load(path: str, verify_checksums: bool = True) -> Bundle:
     if not os.path.isdir(path):
         raise BundleError(f"{os.path.abspath(path)}: no such bundle directory; build one with `edgespec bundle "
                           "--target DIR --out DIR` (the zoo: `make bundles`)")
+    if not os.access(path, os.R_OK | os.X_OK):  # else every file in it reads as "missing"
+        raise BundleError(f"{os.path.abspath(path)}: cannot read this bundle directory (permission denied for this "
+                          "user); give it read and search permission (chmod -R u+rX) or run as its owner")
     if not os.path.isfile(manifest):
         raise BundleError(f"{manifest}: missing; this directory is not a bundle ({REBUILD})")
     try:
         with open(manifest) as f:
             m = yaml.safe_load(f)
+    except OSError as exc:
+        raise BundleError(f"{manifest}: cannot read ({exc.strerror}); fix its permissions (chmod u+r)") from exc
     except yaml.YAMLError as exc:
         raise BundleError(f"{manifest}: not valid YAML ({exc}); {REBUILD}") from exc
     if not isinstance(m, dict):
@@ -346,6 +351,26 @@ def _referenced(bundle: Bundle):
     return refs
 
 
+def file_stamps(bundle: Bundle) -> Dict[str, Tuple[int, int]]:
+    """(size, mtime in ns) of the manifest and each file it lists, as they are now ((-1, -1): missing)."""
+    stamps = {}
+    for rel in (MANIFEST, *bundle.files):
+        try:
+            st = os.stat(bundle.path(rel))
+            stamps[rel] = (st.st_size, st.st_mtime_ns)
+        except OSError:
+            stamps[rel] = (-1, -1)
+    return stamps
+
+
+def changed_files(bundle: Bundle, stamps: Dict[str, Tuple[int, int]]) -> List[str]:
+    """The bundle's files that differ from `stamps` (taken when it was loaded), each with how.
+
+    Example: ['bundle.yaml (modified)', 'target.safetensors (missing)']."""
+    now = file_stamps(bundle)
+    return [f"{rel} ({'missing' if now[rel][0] < 0 else 'modified'})" for rel in stamps if now.get(rel) != stamps[rel]]
+
+
 def _check_files(bundle: Bundle, verify_checksums: bool) -> None:
     for rel in _referenced(bundle):
         if rel not in bundle.files:
@@ -362,7 +387,11 @@ def _check_files(bundle: Bundle, verify_checksums: bool) -> None:
         size = os.path.getsize(full)
         if size != entry.size:
             raise BundleError(f"{full}: corrupt (size {size} bytes, manifest says {entry.size}); copy it again or re-export")
-        if verify_checksums and sha256_of(full) != entry.sha256:
+        try:
+            digest = sha256_of(full) if verify_checksums else entry.sha256
+        except OSError as exc:
+            raise BundleError(f"{full}: cannot read ({exc.strerror}); fix its permissions (chmod u+r)") from exc
+        if digest != entry.sha256:
             raise BundleError(f"{full}: corrupt (sha256 differs from the manifest); copy it again or re-export")
 
 

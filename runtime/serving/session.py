@@ -4,6 +4,7 @@ This is the API the CLI and the ROS 2 node use; it turns text requests (free gen
 action tokens) into engine calls and checks every request before any work starts."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import json
@@ -24,11 +25,11 @@ from runtime.config import RuntimeConfig
 from runtime.drafters import registry
 from runtime.drafters.base import Drafter
 from runtime.decode.engine import DecodeStats, Engine, StopCheck
-from runtime.errors import BudgetExceeded, BundleError, RequestError
+from runtime.errors import BudgetExceeded, BundleError, RequestError, RequestTooLong
 from runtime.text.grammar import Grammar, GrammarTokenizer
 from runtime.memory.kv import KVArena
-from runtime.text.prompts import (ACTION_CHUNK, ZOO_PROMPTS, action_prompt, parse_plan, plan_objects, planner_prompt,
-                             zoo_tokens_in)
+from runtime.text.prompts import (ACTION_CHUNK, ZOO_PROMPTS, action_request, parse_plan, plan_objects,
+                                  planner_request, zoo_tokens_in)
 from runtime.sampling import SamplingParams
 from runtime.serving.tuning import choose_shape, template_of, template_prefixes
 from runtime.text.templates import PromptFormat
@@ -165,6 +166,21 @@ def eos_ids(bundle, prompts: PromptFormat, tokenizer: Tokenizer) -> List[int]:
 _SAID: set = set()  # one-line notes already printed in this process
 
 
+@contextlib.contextmanager
+def prompt_named(fields: Dict[str, str]):
+    """A refusal of the prompt (too long for the context or the budget) names the request field it came from:
+    a Plan or ActionTokens request has no `prompt`. The longest field is the one to shorten, also when the
+    template's own tokens are what fills a tiny context."""
+    try:
+        yield
+    except RequestError as exc:
+        if exc.field != "prompt":
+            raise
+        name = max((k for k in fields if fields[k]), key=lambda k: len(fields[k]), default="instruction")
+        detail = str(exc).split(": ", 1)[-1]
+        raise type(exc)(name, f"is {len(fields[name])} characters, the longest part of the prompt, which {detail}") from None
+
+
 class Session:
     """One model, one drafter, one KV arena. Requests run one at a time (batch 1)."""
 
@@ -174,6 +190,7 @@ class Session:
             set_blas_threads(config.backend.blas_threads)
         self.bundle = bundle_io.load(config.bundle)
         b = self.bundle
+        self._stamps = bundle_io.file_stamps(b)  # what was loaded, to notice a bundle changed under a running node
         backend = replace(config.backend, kind=resolve_backend(config.backend.kind, b, config.backend.precision))
         if backend.kind == "gguf":  # the quant by name from here on: the draft model's GGUF and the plan read it
             backend = replace(backend, precision=b.gguf_quant(backend.precision))
@@ -236,6 +253,8 @@ class Session:
         self._prefixes: Optional[list] = None  # the prompt templates' fixed starts (template_of), when first needed
         self._grammar_tokenizer: Optional[GrammarTokenizer] = None
         self._grammars: Dict[tuple, Grammar] = {}  # compiled grammars by (kind, text), the most recent few
+        # Measured once: the files it reads may be replaced or deleted while the model, loaded, serves on.
+        self._memory_bytes = self._measure_memory()
 
     @classmethod
     def open(cls, bundle_dir: str, drafter: Optional[str] = None, backend: Optional[str] = None,
@@ -264,9 +283,18 @@ class Session:
         return template_of(prompt_ids, self._prefixes)
 
     def memory_in_use(self) -> int:
+        """Bytes held: the KV arena, the target's weights and the drafter's (measured at load)."""
+        return self._memory_bytes
+
+    def _measure_memory(self) -> int:
         weights = int(getattr(self.target, "weight_bytes", 0))
         draft = self.drafter.memory_bytes if self.drafter else 0
         return self.arena.capacity_bytes + weights + draft
+
+    def changed_files(self) -> List[str]:
+        """Bundle files changed or removed on disk since this session loaded them (it serves on from memory;
+        a new session loads the new ones). Costs one stat per file."""
+        return bundle_io.changed_files(self.bundle, self._stamps)
 
     @property
     def actions(self) -> ActionTokenizer:
@@ -314,6 +342,17 @@ class Session:
         gc.collect()
         return_freed_memory()
 
+    def warm_up(self) -> DecodeStats:
+        """One short request through the configured backend and drafter, EOS masked so that a cycle with a
+        draft is sure to run: a combination that cannot serve (e.g. an fp16 graph fed float32 by a drafter)
+        fails here, at start-up, instead of on every request. Also pays the backend's first-run allocations."""
+        eos = set(self.engine.eos)
+        others = tuple(t for t in range(self.bundle.target.spec.vocab_size) if t not in eos)
+        ids = self.tokenizer.encode("ready") or [others[0]]
+        steps = 2 + max(2, self.config.drafter.num_tokens)  # prefill's token, then a cycle with room to draft
+        _, _, _, stats = self.generate_ids(ids, GenerationParams(max_tokens=steps), allowed_tokens=others)
+        return stats
+
     # -- requests ---------------------------------------------------------------------------------
 
     def generate_ids(self, prompt_ids: Sequence[int], params: GenerationParams, allowed_tokens=None,
@@ -323,8 +362,8 @@ class Session:
         params.check()
         need = len(prompt_ids) + params.max_tokens
         if self.budget_positions is not None and need > self.budget_positions and isinstance(params.max_tokens, int):
-            raise BudgetExceeded(memory.over_budget(self.plan_inputs, self.budget_bytes, need,
-                                                    f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens})"))
+            raise RequestTooLong("prompt", memory.over_budget(
+                self.plan_inputs, self.budget_bytes, need, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens})"))
         start = time.monotonic()
         decoder = StreamDecoder(self.tokenizer)
         state = {"n": 0, "stopped": False}
@@ -376,12 +415,17 @@ class Session:
         return GenerationResult(text, tokens, finish, stats)
 
     def plan(self, instruction: str, context: str = "", params: GenerationParams = GenerationParams(),
-             on_delta: Optional[Callable[[str, int], None]] = None, schema=None) -> PlanResult:
+             on_delta: Optional[Callable[[str, int], None]] = None, schema=None, observation: str = "") -> PlanResult:
         """`schema` (a JSON Schema, dict or text; configs/plan_schema.json is the zoo's) makes every plan valid
-        by construction, unless max_tokens cuts it short (finish_reason "max_tokens")."""
+        by construction, unless max_tokens cuts it short (finish_reason "max_tokens"). `observation` (text)
+        joins the context as 'Observation: ...'."""
         constraint = self.grammar(schema, None, "schema")
-        ids = self.tokenizer.encode(planner_prompt(instruction, context, self.prompts))
-        text, _, finish, stats = self.generate_ids(ids, params, on_delta=on_delta, grammar=constraint)
+        fields = {"instruction": instruction, "context": context, "observation": observation}
+        joined = "\n".join(s for s in (context, observation and f"Observation: {observation}") if s)
+        ids = self.tokenizer.encode_prompt(planner_request(instruction, joined, self.prompts,
+                                                           "context" if context else "observation"))
+        with prompt_named(fields):
+            text, _, finish, stats = self.generate_ids(ids, params, on_delta=on_delta, grammar=constraint)
         try:
             steps = parse_plan(text)
             return PlanResult(text, steps, True, "", sorted(plan_objects(steps)), finish, stats)
@@ -396,7 +440,7 @@ class Session:
             raise RequestError("observation_text", "is set and so is observation: send only one of them "
                                                    "(observation: the numbers; observation_text: the same as text)")
         obs = observation_text if observation_text else list(observation)  # the numbers are checked by the prompt
-        ids = self.tokenizer.encode(action_prompt(instruction, obs, self.prompts))
+        ids = self.tokenizer.encode_prompt(action_request(instruction, obs, self.prompts))
         at = self.actions
         # Exactly num_actions * dims action-bin tokens then EOS: the trivial grammar, masked like any other
         # (on every verify row and on the drafter's q). max_tokens ends the answer before its EOS.
@@ -404,7 +448,8 @@ class Session:
         params = replace(params, max_tokens=n, stop=())
         grammar = self._compiled(("actions", n), lambda: Grammar.token_run(at.allowed_token_ids(), n,
                                                                            self._grammar_tok(), "num_actions"))
-        _, tokens, finish, stats = self.generate_ids(ids, params, grammar=grammar)
+        with prompt_named({"instruction": instruction, "observation_text": observation_text}):
+            _, tokens, finish, stats = self.generate_ids(ids, params, grammar=grammar)
         usable = len(tokens) - len(tokens) % at.dims
         actions = at.decode(tokens[:usable]) if usable else np.zeros((0, at.dims), np.float32)
         return ActionResult(list(tokens), actions, at.dims, finish, stats)

@@ -58,6 +58,46 @@ class GrammarTokenizer:
         self.eos_ids = tuple(sorted(int(e) for e in eos_ids))
 
 
+MAX_SCHEMA_DEPTH = 64  # nesting of a JSON Schema's objects and arrays; json.loads recursed to death at 10,000
+PROBE_TOKENS = 16  # answer tokens walked at compile time to meet llguidance's parser limits before a request does
+
+
+def json_depth(text: str) -> int:
+    """The deepest nesting of [ and { in JSON text (strings skipped), without parsing it.
+
+    Example: '{"a": [1, {"b": "[["}]}' -> 3."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def parser_limit(matcher) -> str:
+    """llguidance's complaint when its Earley parser met a limit (e.g. 'Current row has 2500 items; max is
+    2000'), else "": a grammar too large for it, not a wrong token."""
+    if not matcher.is_error():
+        return ""
+    return _first_line([matcher.get_error()]).split(" | <state>")[0]
+
+
+class GrammarLimit(RequestError):
+    """The constraint is beyond what llguidance parses (found while decoding): the request's fault."""
+
+
 class Grammar:
     """A compiled constraint; immutable and shared by requests (each request takes its own `start()`)."""
 
@@ -74,18 +114,47 @@ class Grammar:
             raise RequestError(field, f"is not a usable {source}: {_first_line([self._template.get_error()])}")
         self.tokenizer = tokenizer
         self.source = source
+        self.field = field
+        self._probe_limits()
+
+    def _probe_limits(self) -> None:
+        """Walk a few answer tokens on a copy (the lowest allowed non-EOS id each step): llguidance checks its
+        parser limits only as tokens arrive, so a schema with 2,500 anyOf branches compiled and then failed
+        its first token mid-request."""
+        m = self._template.deep_copy()
+        eos = set(self.tokenizer.eos_ids)
+        for _ in range(PROBE_TOKENS):
+            bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
+            ids = [int(t) for t in np.flatnonzero(bits[:self.tokenizer.vocab_size]) if int(t) not in eos]
+            if parser_limit(m) or not ids:
+                break
+            m.try_consume_tokens(ids[:1])
+            if parser_limit(m) or m.is_accepting():
+                break
+        why = parser_limit(m)
+        if why:
+            raise RequestError(self.field, f"is beyond what the grammar engine can parse ({why}); simplify it "
+                                           "(fewer alternatives per anyOf / enum of objects, less nesting)")
 
     @classmethod
     def from_json_schema(cls, schema, tokenizer: GrammarTokenizer, field: str = "json_schema") -> "Grammar":
         """`schema`: a dict, or JSON text. llguidance options may ride in the schema's "x-guidance" key
         (e.g. {"whitespace_flexible": false} for compact JSON)."""
         llg = _llguidance()
+        text = schema if isinstance(schema, str) else json.dumps(schema) if not isinstance(schema, bool) else ""
+        if json_depth(text) > MAX_SCHEMA_DEPTH:
+            raise RequestError(field, f"nests objects/arrays {json_depth(text)} deep; at most {MAX_SCHEMA_DEPTH} "
+                                      "levels are accepted")
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as exc:
                 raise RequestError(field, f"is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
                                           "send a JSON Schema object") from None
+        if schema is True:  # the boolean schema that allows every value (JSON Schema 2019+): as {}
+            schema = {}
+        if schema is False:
+            raise RequestError(field, "is `false`, the schema no value satisfies; send `true` or a JSON Schema object")
         if not isinstance(schema, dict):
             raise RequestError(field, f"must be a JSON Schema object, got {type(schema).__name__}")
         try:
@@ -113,7 +182,7 @@ class Grammar:
         return cls.from_lark(f"start: t{{{int(count)}}}\nt: <[{_ranges(ids)}]>\n", tokenizer, field)
 
     def start(self) -> "GrammarState":
-        return self.state_type(self._template.deep_copy(), self.tokenizer)
+        return self.state_type(self._template.deep_copy(), self.tokenizer, self.field)
 
 
 class GrammarState:
@@ -121,8 +190,9 @@ class GrammarState:
     `allowed` moves along (rolling back to the common prefix first, so walking a tree in node order costs
     about one token consumed per node). `seconds` is the time spent here: the request's grammar_s."""
 
-    def __init__(self, matcher, tokenizer: GrammarTokenizer):
+    def __init__(self, matcher, tokenizer: GrammarTokenizer, field: str = "grammar"):
         self.m = matcher
+        self.field = field
         self.vocab = tokenizer.vocab_size
         self.eos = set(tokenizer.eos_ids)
         self._probe: list = []  # tokens consumed beyond the committed ones
@@ -167,6 +237,7 @@ class GrammarState:
         toks = [int(t) for t in tokens if int(t) not in self.eos]
         if toks:
             n = self.m.try_consume_tokens(toks)
+            self._check_limits()
             if n != len(toks):
                 raise RuntimeError(f"grammar: emitted token {toks[n]} is not allowed here "
                                    f"(a mask was not applied to the distribution it was drawn from)")
@@ -192,8 +263,14 @@ class GrammarState:
         if not rest:
             return len(probe) == len(path)
         n = self.m.try_consume_tokens(rest)
+        self._check_limits()
         probe.extend(rest[:n])
         return n == len(rest)
+
+    def _check_limits(self) -> None:
+        why = parser_limit(self.m)
+        if why:
+            raise GrammarLimit(self.field, f"is beyond what the grammar engine can parse ({why}); simplify it")
 
 
 Grammar.state_type = GrammarState
@@ -225,6 +302,9 @@ def load_schema_file(path: str, field: str = "schema") -> dict:
             return json.load(f)
     except OSError as exc:
         raise RequestError(field, f"{path}: cannot read ({exc.strerror})") from None
+    except RecursionError:
+        raise RequestError(field, f"{path}: nests deeper than Python's JSON reader goes; at most "
+                                  f"{MAX_SCHEMA_DEPTH} levels are accepted") from None
     except json.JSONDecodeError as exc:
         raise RequestError(field, f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
 

@@ -22,7 +22,7 @@ import json
 from typing import Any, Dict, List, Sequence, Union
 
 from runtime.errors import RequestError
-from runtime.text.templates import PromptFormat, TaskTemplate
+from runtime.text.templates import PromptFormat, RenderedPrompt, TaskTemplate
 
 PAD = "<|pad|>"
 BOS = "<|bos|>"
@@ -83,10 +83,17 @@ def zoo_tokens_in(tokenizer) -> bool:
 
 def planner_prompt(instruction: str, context: str = "", fmt: PromptFormat = ZOO_PROMPTS) -> str:
     """The planner prompt; `context` (optional) reports what went wrong so the model replans the rest."""
+    return planner_request(instruction, context, fmt).text
+
+
+def planner_request(instruction: str, context: str = "", fmt: PromptFormat = ZOO_PROMPTS,
+                    context_field: str = "context") -> RenderedPrompt:
+    """The planner prompt with the request's text marked (Tokenizer.encode_prompt keeps it text)."""
     instruction = instruction.strip()
     if not instruction:
         raise RequestError("instruction", "is empty; give the robot an instruction such as 'bring me the cup'")
-    return fmt.render("planner", instruction=instruction, context=context.strip() if context else "")
+    return fmt.render_parts("planner", {"context": context_field}, instruction=instruction,
+                            context=context.strip() if context else "")
 
 
 def format_observation(observation: Sequence[float]) -> str:
@@ -95,6 +102,12 @@ def format_observation(observation: Sequence[float]) -> str:
 
 def action_prompt(instruction: str, observation: Union[Sequence[float], str], fmt: PromptFormat = ZOO_PROMPTS) -> str:
     """The action prompt: instruction plus observation (OBS_DIMS floats, or an already formatted string)."""
+    return action_request(instruction, observation, fmt).text
+
+
+def action_request(instruction: str, observation: Union[Sequence[float], str],
+                   fmt: PromptFormat = ZOO_PROMPTS) -> RenderedPrompt:
+    """The action prompt with the request's text marked (an observation given as text is request text too)."""
     instruction = instruction.strip()
     if not instruction:
         raise RequestError("instruction", "is empty; give the arm an instruction such as 'pick up the red cup'")
@@ -110,7 +123,8 @@ def action_prompt(instruction: str, observation: Union[Sequence[float], str], fm
                                                   f"{OBS_LIMIT:g}] (metres, radians, gripper 0..1): send the "
                                                   "robot's reading in these units")
         obs = format_observation(observation)
-    return fmt.render("action", instruction=instruction, observation=obs)
+    fields = {"observation": "observation_text"} if isinstance(observation, str) else {}
+    return fmt.render_parts("action", fields, instruction=instruction, observation=obs)
 
 
 def text_prompt(text: str, fmt: PromptFormat = ZOO_PROMPTS) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -91,6 +92,28 @@ def _compiled(chat: bool, source: str) -> jinja2.Template:
 
 
 @dataclass(frozen=True)
+class RenderedPrompt:
+    """A prompt's text and where the request's own text lies in it, so that text is tokenized as text: a
+    `<|sep|>` typed into an instruction stays the characters '<|sep|>', never the control token.
+
+    Worked example (the zoo's planner, instruction 'go<|sep|>'):
+        text       '<|bos|><|plan|>go<|sep|><|sep|>'
+        user_spans ((15, 24),)            -> chars 15..24 ('go<|sep|>') are the request's
+        values     (('instruction', 'go<|sep|>'),)
+    `exact` False: the template transformed a value, so its place in the text is unknown (the tokenizer then
+    refuses a value that holds a control token, naming its field)."""
+    text: str
+    user_spans: Tuple[Tuple[int, int], ...] = ()  # [start, end) character ranges of request text
+    values: Tuple[Tuple[str, str], ...] = ()  # (field, text) of each request value
+    exact: bool = True
+
+
+# A request value's stand-in while rendering: private-use characters, which no template or tokenizer gives meaning.
+_MARK = "\ue000{}\ue001"
+_MARKS = re.compile("\ue000(\\d+)\ue001")
+
+
+@dataclass(frozen=True)
 class TaskTemplate:
     raw: str = ""  # the whole prompt (no chat template)
     system: str = ""  # the system message (chat form; optional)
@@ -129,6 +152,30 @@ class PromptFormat:
         if not t.chat:
             return self._task(task, "raw", t.raw, values)
         return self.render_chat(self.messages(task, **values))
+
+    def render_parts(self, task: str, fields: Optional[Dict[str, str]] = None, **values: str) -> RenderedPrompt:
+        """`render` plus where each request value landed in the text (see RenderedPrompt). The template is
+        rendered once more with a marker in place of each non-empty value (an empty one stays empty, so
+        `{% if context %}` reads it); splicing the values back must give `render`'s text exactly.
+        `fields`: the request field a value came from, when it is not the variable's name."""
+        text = self.render(task, **values)
+        named = tuple((fields or {}).get(k, k) for k in values)
+        keys = list(values)
+        marked = self.render(task, **{k: (_MARK.format(i) if v else v) for i, (k, v) in enumerate(values.items())})
+        pieces, spans, pos, at = [], [], 0, 0
+        for m in _MARKS.finditer(marked):
+            pieces.append(marked[pos:m.start()])
+            at += m.start() - pos
+            value = values[keys[int(m.group(1))]]
+            pieces.append(value)
+            spans.append((at, at + len(value)))
+            at += len(value)
+            pos = m.end()
+        pieces.append(marked[pos:])
+        pairs = tuple(zip(named, values.values()))
+        if "".join(pieces) != text:
+            return RenderedPrompt(text, (), pairs, exact=False)
+        return RenderedPrompt(text, tuple(spans), pairs)
 
     def render_chat(self, messages: List[Dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The chat template applied to `messages`, as transformers' apply_chat_template(tokenize=False) does."""

@@ -1,9 +1,11 @@
 """The bundle's tokenizer (an HF `tokenizer.json`, read with the `tokenizers` library — no torch)."""
 from __future__ import annotations
 
+import json
 from typing import List, Optional, Sequence
 
-from runtime.errors import BundleError
+from runtime.errors import BundleError, RequestError
+from runtime.text.templates import RenderedPrompt
 
 
 class Tokenizer:
@@ -17,13 +19,66 @@ class Tokenizer:
         except Exception as exc:
             raise BundleError(f"{path}: cannot load tokenizer ({exc}); re-export the bundle") from exc
         self.path = path
+        # Request text is tokenized by a twin that knows no added token (each one marked special, and special
+        # tokens split as text): '<|sep|>' typed by a user becomes '<', '|', 'sep', ... never the control token.
+        with open(path, encoding="utf-8") as f:
+            spec = json.load(f)
+        for t in spec.get("added_tokens", []):
+            t["special"] = True
+        self._text_tok = _HFTokenizer.from_str(json.dumps(spec))
+        self._text_tok.encode_special_tokens = True
+        self.added = {t["content"]: int(t["id"]) for t in spec.get("added_tokens", [])}
+        self._added_ids = set(self.added.values())
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> List[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        return list(_encode(self._tok, text).ids)
+
+    def encode_text(self, text: str) -> List[int]:
+        """`text` as plain text: every added token's characters are tokenized like any other characters."""
+        return list(_encode(self._text_tok, text).ids) if text else []
+
+    def encode_prompt(self, prompt: RenderedPrompt) -> List[int]:
+        """A rendered prompt's ids: the template's control tokens real, the request's text as text.
+
+        The text is cut at the added tokens found in the template's own pieces (outside `user_spans`) and each
+        stretch between them is tokenized as text, which is what tokenizing the whole string does (HF splits at
+        added tokens before anything else) as long as the request text holds none: a prompt without forged
+        tokens gets exactly `encode(prompt.text)`.
+        Example (zoo, instruction 'go<|sep|>'): [<|bos|>, <|plan|>, 'go', '<|', 'sep', '|>', <|sep|>]."""
+        if not prompt.exact:
+            self.refuse_control_text(prompt.values)
+            return self.encode(prompt.text)
+        text, ids, pos = prompt.text, [], 0
+        for start, end, tid in self._template_tokens(prompt):
+            ids += self.encode_text(text[pos:start])
+            ids.append(tid)
+            pos = end
+        return ids + self.encode_text(text[pos:])
+
+    def refuse_control_text(self, values) -> None:
+        """Refuse a request value holding an added token's text (where the template hid the value's place)."""
+        for field, value in values:
+            hit = next((t for t in self.added if t in value), None)
+            if hit is not None:
+                raise RequestError(field, f"contains {hit!r}, a control token of this model; remove it "
+                                          "(this bundle's template changes request text, so it cannot be kept as text)")
+
+    def _template_tokens(self, prompt: RenderedPrompt):
+        """(start, end, id) of each added token in the template's own text, in order."""
+        text, edges, pos = prompt.text, [], 0
+        for start, end in sorted(prompt.user_spans) + [(len(prompt.text), len(prompt.text))]:
+            if start > pos:
+                edges.append((pos, start))
+            pos = max(pos, end)
+        for a, b in edges:
+            enc = _encode(self._tok, text[a:b])
+            for tid, (s, e) in zip(enc.ids, enc.offsets):
+                if tid in self._added_ids:
+                    yield a + s, a + e, tid
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -33,6 +88,12 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> Optional[str]:
         return self._tok.id_to_token(int(token_id))
+
+
+def _encode(tok, text: str):
+    """One text's Encoding, tokenized with the GIL released (`encode` holds it throughout, `encode_batch` does
+    not): a long request text must not stop the node's other threads (lifecycle, state, diagnostics)."""
+    return tok.encode_batch([text], add_special_tokens=False)[0]
 
 
 class StreamDecoder:

@@ -59,13 +59,13 @@ def test_latency_tool_short_mode_measures_both_nodes_in_every_scenario(tiny_bund
             assert c["message"] and c["missed"] or not math.isnan(c["rtt_s"])
 
 
-def test_plot_without_matplotlib_is_refused_up_front_with_what_to_install(capsys):
+def test_plot_without_matplotlib_is_refused_up_front_with_what_to_install(capsys, monkeypatch):
     import importlib.util
 
     from edgespec_ros.latency import main
 
-    if importlib.util.find_spec("matplotlib") is not None:
-        pytest.skip("matplotlib is installed: --plot works")
-    with pytest.raises(SystemExit) as exc:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(SystemExit) as exc:  # refused before any node is looked for
         main(["--plot", "latency.png", "--spec", "/nowhere/edgespec", "--plain", ""])
     assert exc.value.code == 2 and "pip install matplotlib" in capsys.readouterr().err

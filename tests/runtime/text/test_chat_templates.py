@@ -19,7 +19,7 @@ from export.bundle.builder import build_bundle
 from runtime.model import bundle as bundle_io
 from runtime.model.bundle import MANIFEST
 from runtime.errors import BundleError
-from runtime.text.prompts import ZOO_PROMPTS, planner_prompt
+from runtime.text.prompts import ZOO_PROMPTS, planner_request
 from runtime.serving.session import GenerationParams, Session
 from runtime.text.templates import PromptFormat, task_template
 from tests.support.chat_checkpoints import LLAMA3_TEMPLATE, save_checkpoint
@@ -58,7 +58,7 @@ def test_the_planner_prompt_tokens_equal_transformers_apply_chat_template(checkp
     try:
         messages = s.prompts.messages("planner", instruction=INSTRUCTION, context=context)
         assert [m["role"] for m in messages] == ["system", "user"]
-        ours = s.tokenizer.encode(planner_prompt(INSTRUCTION, context, s.prompts))  # what Session.plan prefills
+        ours = s.tokenizer.encode_prompt(planner_request(INSTRUCTION, context, s.prompts))  # what Session.plan prefills
         assert ours == hf_ids(checkpoints[family], messages, **kwargs)
         text = s.tokenizer.decode(ours)
         assert text.endswith("<think>\n\n</think>\n\n" if family == "qwen3"

@@ -41,10 +41,8 @@ from edgespec_ros.parameters import declare_parameters
 from edgespec_ros.qos import REQUEST_QOS, action_qos_kwargs
 from edgespec_ros.request_queue import PRIORITY_ACTIONS, PRIORITY_NORMAL, GaveUp, QueueFull, RequestQueue
 from runtime.errors import EdgespecError, RequestError
+from runtime.serving.limits import LIMIT_OF, RequestLimits
 from runtime.serving.session import GenerationParams, Session, return_large_blocks_on_free
-
-
-WARMUP_PROMPT = "<|bos|><|text|>ready"  # run once at configure
 
 
 class EdgespecNode(LifecycleNode):
@@ -58,7 +56,8 @@ class EdgespecNode(LifecycleNode):
         self._stopping: Optional[str] = None  # why the process is shutting down (e.g. "SIGTERM received")
         self._lock = threading.Lock()  # guards the counters below
         self._in_flight = 0  # requests taken (service calls, accepted goals) and not yet answered
-        self._counts = {"served": 0, "failed": 0, "rejected": 0}
+        self._counts = {"served": 0, "failed": 0, "rejected": 0, "queue_full": 0}
+        self._reserved = {}  # id(goal message) -> (queue ticket, arrival): accepted goals not yet executing
         self._last_error: Optional[str] = None
         self._last_error_at = 0.0  # time.monotonic() of the last error
         self._failing = False  # the last request failed (WARN) until one succeeds or the node is re-activated
@@ -93,25 +92,29 @@ class EdgespecNode(LifecycleNode):
         p = self.p
         self.get_logger().info(f"configure: opening bundle {p.bundle_path()} (drafter={p.drafter or 'default'}, "
                                f"backend={p.backend or 'auto'}, max_context={p.max_context or 'default'})")
+        self._configure_error = None  # this attempt's reason, not the previous bundle's
+        step = "opening the bundle"
         try:
             self.session = Session.open(p.bundle_path(), drafter=p.drafter or None, backend=p.backend or None,
                                         max_context=p.max_context or None)
-        except EdgespecError as exc:
-            self._configure_error = f"{type(exc).__name__}: {exc}"
-            self.get_logger().error(f"configure failed: {self._configure_error}")
-            return TransitionCallbackReturn.FAILURE
-        try:  # the first request should not pay the backend's first-run allocations (tens of ms on ONNX Runtime)
-            self.session.generate_ids(self.session.tokenizer.encode(WARMUP_PROMPT), GenerationParams(max_tokens=2))
-        except EdgespecError as exc:
-            self._configure_error = f"warm-up request failed: {type(exc).__name__}: {exc}"
-            self.get_logger().error(f"configure failed: {self._configure_error}")
-            self._close_session()
-            return TransitionCallbackReturn.FAILURE
-        self._configure_error = None
+            step = "the warm-up request (configured drafter and backend)"
+            self.session.warm_up()
+        except Exception as exc:  # whatever it is (a PermissionError on a data file, an ONNX Runtime type error)
+            return self._configure_failed(step, exc)
         self._memory_bytes = self.session.memory_in_use()
         self.get_logger().info(f"configured: drafter={self.session.drafter_kind} backend={self.session.backend_name} "
                                f"memory={self._memory_bytes / 2**20:.1f} MiB")
         return TransitionCallbackReturn.SUCCESS
+
+    def _configure_failed(self, step: str, exc: Exception) -> TransitionCallbackReturn:
+        """Log the reason, put it on /diagnostics (ERROR) and stay unconfigured; a bug gets its traceback."""
+        where = "" if step == "opening the bundle" else f"{step} failed: "
+        self._configure_error = f"{where}{type(exc).__name__}: {exc}"
+        trace = "" if isinstance(exc, EdgespecError) else "\n" + traceback.format_exc()
+        self.get_logger().error(f"configure failed: {self._configure_error}{trace}")
+        if self.session is not None:
+            self._close_session()
+        return TransitionCallbackReturn.FAILURE
 
     def on_activate(self, state: State) -> TransitionCallbackReturn:
         self._active = True
@@ -154,10 +157,9 @@ class EdgespecNode(LifecycleNode):
             return self._plan(req, resp)
 
     def _plan(self, req: Plan.Request, resp: Plan.Response) -> Plan.Response:
-        context = "\n".join(s for s in (req.context, req.observation and f"Observation: {req.observation}") if s)
-
         def run(session: Session, params: GenerationParams, _stop):
-            return session.plan(req.instruction, context=context, params=params, schema=req.schema or None)
+            return session.plan(req.instruction, context=req.context, observation=req.observation, params=params,
+                                schema=req.schema or None)
 
         return self._serve("plan", req, resp, PRIORITY_NORMAL, run, messages.fill_plan)
 
@@ -175,13 +177,21 @@ class EdgespecNode(LifecycleNode):
         return self._serve("action_tokens", req, resp, priority, run, messages.fill_action_tokens)
 
     def _on_goal(self, goal: Generate.Goal) -> GoalResponse:
+        """Accept a goal only with its place in the queue taken: a goal accepted on a free slot that another
+        request took before it executed was aborted with `queue` (1-4 per burst)."""
+        received = time.monotonic()
         reason = self._not_serving()
-        if reason is None and len(self.queue) >= self.queue.limit:
-            reason = f"queue full ({self.queue.limit})"
+        if reason is None:
+            try:
+                ticket = self.queue.join(PRIORITY_NORMAL)
+            except QueueFull:
+                reason = f"queue full ({self.queue.limit})"
         if reason:
             self._count("rejected")
             self.get_logger().warning(f"generate goal rejected: {reason}")
             return GoalResponse.REJECT
+        with self._lock:
+            self._reserved[id(goal)] = (ticket, received)  # goal_handle.request is this same message
         self._track(+1)  # until _on_generate has answered it
         return GoalResponse.ACCEPT
 
@@ -193,6 +203,8 @@ class EdgespecNode(LifecycleNode):
 
     def _generate(self, goal_handle) -> Generate.Result:
         goal: Generate.Goal = goal_handle.request
+        with self._lock:
+            ticket, received = self._reserved.pop(id(goal), (None, None))
         feedback = _FeedbackBatcher(goal_handle.publish_feedback, self.p.feedback_period_s)
 
         def run(session: Session, params: GenerationParams, stop: Callable[[], bool]):
@@ -202,7 +214,8 @@ class EdgespecNode(LifecycleNode):
                 feedback.flush()
 
         result = self._serve("generate", goal, Generate.Result(), PRIORITY_NORMAL, run, messages.fill_generate,
-                             prompt_field="prompt", cancelled=lambda: goal_handle.is_cancel_requested)
+                             prompt_field="prompt", cancelled=lambda: goal_handle.is_cancel_requested,
+                             ticket=ticket, received=received)
         if result.finish_reason == "cancelled" and not goal_handle.is_cancel_requested:
             result.success, result.error_field = False, "state"  # stopped by the node, not by the client
             result.message = f"{self._not_serving() or 'node stopped serving'}; partial text returned"
@@ -215,19 +228,21 @@ class EdgespecNode(LifecycleNode):
         return result
 
     def _serve(self, kind: str, req, resp, priority: int, run, fill, prompt_field: str = "instruction",
-               cancelled: Callable[[], bool] = lambda: False):
-        """Check, queue, generate, answer. Every outcome lands in `resp`; nothing escapes to rclpy."""
-        received = time.monotonic()
-        ticket = None
+               cancelled: Callable[[], bool] = lambda: False, ticket=None, received: Optional[float] = None):
+        """Check, queue, generate, answer. Every outcome lands in `resp`; nothing escapes to rclpy. `ticket`:
+        the queue place taken when the goal was accepted; `received`: when the request arrived (queue_s counts
+        from there, the checks included)."""
+        received = received if received is not None else time.monotonic()
         try:
             params = self._params(req, prompt_field)
             why = self._not_serving()
             if why:
                 raise RequestError("state", why)
-            try:
-                ticket = self.queue.join(priority)
-            except QueueFull as exc:
-                raise RequestError("queue", str(exc)) from None
+            if ticket is None:
+                try:
+                    ticket = self.queue.join(priority)
+                except QueueFull as exc:
+                    raise RequestError("queue", str(exc)) from None
             deadline = received + req.deadline_s if req.deadline_s > 0 else None
 
             def give_up() -> Optional[str]:
@@ -244,7 +259,7 @@ class EdgespecNode(LifecycleNode):
                 self.queue.wait_turn(ticket, give_up)
             except GaveUp as exc:
                 if str(exc) in ("deadline", "cancelled"):
-                    return self._unserved(resp, str(exc), ticket.waited_s)
+                    return self._unserved(resp, str(exc), time.monotonic() - received)
                 raise RequestError("state", str(exc)) from None
             session, why = self.session, self._not_serving()
             if why or session is None:
@@ -254,11 +269,11 @@ class EdgespecNode(LifecycleNode):
             res = run(session, params, lambda: cancelled() or self._not_serving() is not None)
             fill(resp, res)
             resp.success = True
-            resp.stats = messages.stats_msg(res.stats, ticket.waited_s)
+            resp.stats = messages.stats_msg(res.stats, ticket.started_at - received)
             self._finished(res.stats)
         except RequestError as exc:
             resp.success, resp.error_field, resp.message = False, exc.field, str(exc)
-            self._count("failed")
+            self._count("queue_full" if exc.field == "queue" else "failed")  # a full queue is load, not a failure
             self.get_logger().warning(f"{kind}: refused: {exc}")
         except EdgespecError as exc:
             resp.success, resp.message = False, f"{type(exc).__name__}: {exc}"
@@ -274,7 +289,11 @@ class EdgespecNode(LifecycleNode):
         return resp
 
     def _params(self, req, prompt_field: str) -> GenerationParams:
-        """Cheap checks answered before queueing; the runtime checks the rest (prompt length, budget, ...)."""
+        """Cheap checks answered before queueing; the runtime checks the rest (prompt length, budget, ...).
+        The sizes come first: nothing else may look at a text before its length is known to be bounded."""
+        p = self.p
+        limits = RequestLimits(p.max_instruction_chars, p.max_context_chars, p.max_prompt_chars, p.max_schema_chars)
+        limits.check({name: getattr(req, name) for name in LIMIT_OF if isinstance(getattr(req, name, None), str)})
         if not getattr(req, prompt_field).strip():
             raise RequestError(prompt_field, "is empty: send the instruction text")
         if not math.isfinite(req.temperature) or req.temperature < 0:
@@ -283,8 +302,11 @@ class EdgespecNode(LifecycleNode):
             raise RequestError("deadline_s", f"must be >= 0 seconds (0 = none), got {req.deadline_s}")
         kwargs = dict(max_tokens=getattr(req, "max_tokens", 0) or self.p.default_max_tokens,
                       temperature=float(req.temperature), seed=int(req.seed))
-        if getattr(req, "top_p", 0.0) > 0:
-            kwargs["top_p"] = float(req.top_p)
+        top_p = float(getattr(req, "top_p", 0.0))
+        if not 0.0 <= top_p <= 1.0:  # NaN fails too; 0 means off (the message's default)
+            raise RequestError("top_p", f"must be in [0, 1] (0 = off), got {top_p}")
+        if top_p > 0:
+            kwargs["top_p"] = top_p
         if getattr(req, "top_k", 0) > 0:
             kwargs["top_k"] = int(req.top_k)
         return GenerationParams(**kwargs)
@@ -383,6 +405,10 @@ class EdgespecNode(LifecycleNode):
         message = self._configure_error or state
         if failing and not self._configure_error:
             message = f"{state}; the last request failed {error_age_s:.1f} s ago: {last_error}"
+        changed = session.changed_files() if session is not None else []
+        if changed and not failing:
+            message = (f"{state}; the bundle changed on disk since configure: {', '.join(changed)}; serving the "
+                       "model loaded then: reconfigure (cleanup, configure) to load the new files")
         values = {
             "state": state,
             "bundle": self.p.bundle_path(),
@@ -400,11 +426,13 @@ class EdgespecNode(LifecycleNode):
             "requests_served": counts["served"],
             "requests_failed": counts["failed"],
             "goals_rejected": counts["rejected"],
+            "requests_refused_queue_full": counts["queue_full"],  # load, not failures: not in requests_failed
             "last_error": last_error or "",  # kept after a success, with its age; WARN only while failing
             "last_error_age_s": error_age_s if last_error else "",
             "configure_error": self._configure_error or "",
+            "bundle_changed": ", ".join(changed),
         }
-        level = messages.request_level(state, failing, self._configure_error)
+        level = messages.request_level(state, failing or bool(changed), self._configure_error)
         self._diag_pub.publish(messages.diagnostic_array(
             self.get_clock().now().to_msg(), f"edgespec: {self.get_fully_qualified_name()}",
             values["backend"] or "edgespec", level, message, values))

@@ -46,6 +46,11 @@ SPECS: Dict[str, Spec] = {
     "backend": Spec("", "backend name (empty = the best available)", check=_name),
     "max_context": Spec(0, "context length in tokens (0 = the bundle's default)", 0, 1 << 20),
     "default_max_tokens": Spec(128, "max_tokens of a request that sends 0", 1, 1 << 16),
+    "max_instruction_chars": Spec(8192, "longest instruction accepted (refused before any work, error_field "
+                                  "instruction)", 1, 1 << 28),
+    "max_context_chars": Spec(32768, "longest context / observation / observation_text accepted", 1, 1 << 28),
+    "max_prompt_chars": Spec(65536, "longest Generate prompt accepted", 1, 1 << 28),
+    "max_schema_chars": Spec(65536, "longest Plan schema accepted", 1, 1 << 28),
     "prioritise_actions": Spec(True, "serve action-token requests before queued plan/generate requests"),
     "queue_limit": Spec(16, "requests waiting or running at once; more are refused", 1, 256, read_only=True),
     "diagnostics_period_s": Spec(1.0, "period of /diagnostics", 0.05, 60.0),
