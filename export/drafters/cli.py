@@ -94,6 +94,8 @@ def register(sub) -> None:
                                                   "(default --seq-len)")
     p.add_argument("--zoo-examples", type=int,
                    help="zoo domains: planner examples (action: 2/5 of it, text: 3/20; default 20000)")
+    p.add_argument("--zoo-domains", default="planner,action,text",
+                   help="zoo domains used without --data, comma-separated (default planner,action,text)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto: cuda when there is a GPU)")
     p.add_argument("--top-k", type=int, default=64,
                    help="the target's distribution kept as its top-k logits (default 64; 0 = all, --no-cache only)")
@@ -138,6 +140,13 @@ def _check(args) -> None:
             raise ConfigError(f"{flag}: got {value}, expected {lo}..{hi}")
     if args.zoo_examples is not None and not 10 <= args.zoo_examples <= 10**7:
         raise ConfigError(f"--zoo-examples: got {args.zoo_examples}, expected 10..10000000")
+    from export.drafters.data import DOMAINS
+
+    domains = [d.strip() for d in args.zoo_domains.split(",") if d.strip()]
+    if not domains or set(domains) - set(DOMAINS):
+        raise ConfigError(f"--zoo-domains: got {args.zoo_domains!r}, expected a comma-separated subset of "
+                          f"{','.join(DOMAINS)}")
+    args.zoo_domains = domains
     if args.top_k == 0 and not args.no_cache:
         raise ConfigError("--top-k 0 (the whole distribution) is for --no-cache runs; the cache keeps the top k")
     if args.kind.startswith("dflash"):
@@ -160,6 +169,10 @@ def _check(args) -> None:
         raise ConfigError(f"--target {args.target}: no config.json there; give the target's HF directory")
     if not os.path.isfile(os.path.join(args.target, "tokenizer.json")):
         raise ConfigError(f"--target {args.target}: no tokenizer.json there; the data is tokenized with it")
+    if args.data:
+        from export.drafters.user_data import read_data_file
+
+        read_data_file(args.data)  # a malformed line is refused before the target is loaded
     from export.drafters.medusa import HEAD_FILE
 
     files = (HEAD_FILE, "config.json") if args.kind == "medusa" else ("model.safetensors", "config.json")
@@ -179,8 +192,10 @@ def run(args) -> int:
     device = resolve_device(args.device)
     n = args.zoo_examples or 20000
     cfg = TrainConfig(steps=args.steps, budget_s=60 * args.minutes, lr=args.lr, batch=args.batch,
-                      seq_len=args.seq_len, seed=args.seed, threads=args.threads, n_planner=n,
-                      n_action=max(1, n * 2 // 5), n_text=n * 3 // 20, top_k=args.top_k, eval_every=args.eval_every,
+                      seq_len=args.seq_len, seed=args.seed, threads=args.threads,
+                      n_planner=n if "planner" in args.zoo_domains else 0,
+                      n_action=max(1, n * 2 // 5) if "action" in args.zoo_domains else 0,
+                      n_text=n * 3 // 20 if "text" in args.zoo_domains else 0, top_k=args.top_k, eval_every=args.eval_every,
                       until_plateau=args.until_plateau, patience=args.patience, device=device)
     work = args.work or os.path.join("build", "train-drafter", args.kind)
     cache_dir = args.cache_dir or os.path.join("build", "train-drafter", "cache")

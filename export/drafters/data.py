@@ -7,9 +7,10 @@ Two sources:
   a --data FILE (export/drafters/user_data.py): the user's prompts or chats, rendered with the target's own
       chat template, answered by the target itself.
 
-Cached as <work>/data.npz (object arrays of int32 rows), so a resumed or repeated run does not regenerate."""
+Cached as <work>/data-<tokenizer hash>.npz (object arrays of int32 rows), so a resumed or repeated run does not regenerate."""
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from typing import Dict, List
@@ -22,8 +23,9 @@ DOMAINS = ("planner", "action", "text")
 def build_token_data(tokenizer_json: str, work: str, seed: int, n_planner: int, n_action: int, n_text: int,
                      log=print) -> Dict[str, List[np.ndarray]]:
     """{'planner_train': [ids...], 'action_train': [...], 'text_train': [...]}, each example one int32 array
-    (n_text 0: no Shakespeare)."""
-    path = os.path.join(work, "data.npz")
+    (a count of 0 leaves its domain out)."""
+    with open(tokenizer_json, "rb") as f:  # one file per tokenizer: a shared cache serves several targets
+        path = os.path.join(work, f"data-{hashlib.sha256(f.read()).hexdigest()[:12]}.npz")
     key = np.asarray([seed, n_planner, n_action, n_text, 32])  # 32: int32 rows (a 151k vocabulary fits)
     if os.path.exists(path):
         z = np.load(path, allow_pickle=True)  # our own cache, written below (object arrays of int32)
@@ -38,8 +40,11 @@ def build_token_data(tokenizer_json: str, work: str, seed: int, n_planner: int, 
     from runtime.text.prompts import BOS, EOS, TEXT
 
     t0 = time.time()
-    texts = {"planner_train": [e.text for e in generate_planner_examples(seed * 1000 + 11, n_planner)],
-             "action_train": [action_text(e) for e in generate_action_examples(seed * 1000 + 13, n_action)]}
+    texts = {}
+    if n_planner:
+        texts["planner_train"] = [e.text for e in generate_planner_examples(seed * 1000 + 11, n_planner)]
+    if n_action:
+        texts["action_train"] = [action_text(e) for e in generate_action_examples(seed * 1000 + 13, n_action)]
     try:
         if n_text:
             works = load_works(TEXT_CACHE, quiet=False, allow_fallback=False)

@@ -1,0 +1,100 @@
+"""`edgespec train-drafter KIND --target HF_DIR` serves a user's model: tiny Qwen3 (q/k norms), Qwen2 (biases, tied
+head) and Llama targets train every drafter kind for a few steps, from the zoo's domains and from a --data file
+the target answers itself, and `edgespec bundle` takes what it wrote for that target; a malformed --data line is
+refused naming its line and field; the CUDA device is refused where there is none."""
+import json
+import os
+
+import pytest
+
+from runtime.cli import main
+from tests.support.hf_targets import FAMILIES, save_target
+
+KINDS = ("medusa", "eagle1", "eagle3", "dflash", "dflash2")
+TINY = ["--steps", "2", "--batch", "2", "--seq-len", "24", "--threads", "1", "--eval-every", "2", "--eval-rows", "2",
+        "--cache-rows", "4", "--heads", "2", "--unroll", "2", "--block-sizes", "4", "--anchors", "4",
+        "--selector-rank", "8", "--tree-nodes", "4", "--top-k", "16", "--device", "cpu"]
+PROMPTS = [{"prompt": "bring me the red cup"},
+           {"messages": [{"role": "system", "content": "You plan for a robot."},
+                         {"role": "user", "content": "To be, or not to be"},
+                         {"role": "assistant", "content": "an answer the target rewrites"}]},
+           {"prompt": "pick up the blue box"}]
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("targets"))
+    return {f: save_target(root, f) for f in FAMILIES}
+
+
+def write_jsonl(path, rows):
+    with open(path, "w") as f:
+        f.write("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("source", ["zoo", "data"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_drafter_kind_trains_on_the_target_and_the_bundle_takes_it(tmp_path, targets, family, source, capsys):
+    target = targets[family]
+    data = (["--data", write_jsonl(tmp_path / "d.jsonl", PROMPTS), "--gen-tokens", "10"] if source == "data" else
+            ["--zoo-examples", "12", "--zoo-domains", "planner,action"])
+    common = ["--target", target, "--cache-dir", str(tmp_path / "cache")] + TINY + data
+    for kind in KINDS:
+        argv = ["train-drafter", kind, "--out", str(tmp_path / kind), "--work", str(tmp_path / "w" / kind)]
+        assert main(argv + common) == 0, capsys.readouterr().err
+        with open(tmp_path / "w" / kind / "curve.json") as f:
+            curve = json.load(f)
+        assert [p["step"] for p in curve["points"]] == [2] and curve["points"][0]["per_depth"]
+    out = capsys.readouterr().out
+    assert "epoch 1 (2 steps) from the feature cache" in out
+    # ids, documents and logits once per cache (training and held-out rows); later kinds only add their taps
+    assert out.count("computing doc, final_norm") == 2 and out.count(": computing layer_") >= 2
+    bundle = ["bundle", "--target", target, "--out", str(tmp_path / "bundle"), "--medusa", str(tmp_path / "medusa"),
+              "--eagle", str(tmp_path / "eagle1"), "--eagle3", str(tmp_path / "eagle3"),
+              "--dflash", str(tmp_path / "dflash"), "--dflash", str(tmp_path / "dflash2")]
+    assert main(bundle) == 0, capsys.readouterr().err
+    with open(tmp_path / "bundle" / "bundle.yaml") as f:
+        manifest = f.read()
+    for name in ("medusa", "eagle", "eagle3", "dflash"):
+        assert f"kind: {name}" in manifest
+
+
+BAD_LINES = [
+    ('{"prompt": "ok"}\nnot json\n', 'line 2: not valid JSON'),
+    ('{"prompt": "ok"}\n\n{"promt": "typo"}\n', 'line 3: expected exactly one of the fields "prompt" and "messages"'),
+    ('{"prompt": ""}\n', 'line 1: field "prompt": expected a non-empty string'),
+    ('{"messages": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]}\n',
+     'line 1: field "messages[1].role": got \'robot\''),
+    ('{"messages": [{"role": "user", "content": 3}]}\n', 'line 1: field "messages[0].content": expected a string'),
+    ('{"messages": [{"role": "system", "content": "s"}]}\n', 'line 1: field "messages": no user turn to answer'),
+    ('[1, 2]\n', 'line 1: expected an object'),
+]
+
+
+@pytest.mark.parametrize("text,message", BAD_LINES)
+def test_a_malformed_data_line_is_refused_naming_its_line_and_field(tmp_path, targets, capsys, text, message):
+    (tmp_path / "d.jsonl").write_text(text)
+    argv = ["train-drafter", "medusa", "--target", targets["qwen3"], "--out", str(tmp_path / "o"),
+            "--work", str(tmp_path / "w"), "--cache-dir", str(tmp_path / "c"), "--data", str(tmp_path / "d.jsonl")]
+    assert main(argv + TINY) == 2
+    err = capsys.readouterr().err
+    assert f"--data {tmp_path / 'd.jsonl'} {message}" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_cuda_is_refused_in_one_line_where_torch_sees_no_gpu(tmp_path, targets, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: scripts/gpu_check.py runs the CUDA path")
+    argv = ["train-drafter", "medusa", "--target", targets["llama"], "--out", str(tmp_path / "o"), "--device", "cuda"]
+    assert main(argv) == 2
+    assert "--device cuda: torch sees no CUDA GPU" in capsys.readouterr().err
+
+
+def test_help_says_what_a_real_gpu_run_needs(capsys):
+    with pytest.raises(SystemExit):
+        main(["train-drafter", "--help"])
+    out = capsys.readouterr().out
+    assert "GPU-hours" in out and "--data" in out and "torchrun" in out and "NCCL" in out
