@@ -24,7 +24,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from export.drafters.trainer import TargetBatch, TrainConfig, packed_layout, target_batch
+from export.drafters.trainer import TargetBatch, TrainConfig, frozen_embed_head, packed_layout, target_batch
 
 DTYPES = ("float32", "float16")
 
@@ -142,9 +142,7 @@ class FeatureCache:
         idx = torch.from_numpy(self.read(rows, "logit_idx")).long().to(device)
         logits = torch.full(vals.shape[:2] + (t.cfg.vocab_size,), float("-inf"), device=device).scatter_(-1, idx, vals)
         got = {n: torch.from_numpy(self.read(rows, n).astype(np.float32)).to(device) for n in taps}
-        head = t.embed_tokens.weight if t.lm_head is None else t.lm_head.weight
-        return TargetBatch(ids, positions, mask, doc, logits, got, t.embed_tokens.weight.float().to(device),
-                           head.float().to(device))
+        return TargetBatch(ids, positions, mask, doc, logits, got, *frozen_embed_head(t))
 
 
 class CachedSource:

@@ -184,8 +184,17 @@ def target_batch(target, ids: torch.Tensor, doc: torch.Tensor, taps: Sequence[st
         logits = keep_top_k(logits, top_k)
     if "final_norm" in taps:
         got["final_norm"] = h.float()
-    head = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
-    return TargetBatch(ids, positions, mask, doc, logits, got, target.embed_tokens.weight.float(), head.float())
+    return TargetBatch(ids, positions, mask, doc, logits, got, *frozen_embed_head(target))
+
+
+def frozen_embed_head(target) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The target's embedding and LM head (the embedding when tied) in float32, converted once per target (a bf16
+    GPU target's 150k x 4096 matrices are not copied at every step)."""
+    if getattr(target, "_f32_embed_head", None) is None:
+        embed = target.embed_tokens.weight
+        head = embed if target.lm_head is None else target.lm_head.weight
+        target._f32_embed_head = (embed.detach().float(), head.detach().float())
+    return target._f32_embed_head
 
 
 def keep_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:

@@ -5,9 +5,11 @@ refused naming its line and field; the CUDA device is refused where there is non
 import json
 import os
 
+import numpy as np
 import pytest
 
 from runtime.cli import main
+from tests.support.cli_worker import cli_worker
 from tests.support.hf_targets import FAMILIES, save_target
 
 KINDS = ("medusa", "eagle1", "eagle3", "dflash", "dflash2")
@@ -98,3 +100,26 @@ def test_help_says_what_a_real_gpu_run_needs(capsys):
         main(["train-drafter", "--help"])
     out = capsys.readouterr().out
     assert "GPU-hours" in out and "--data" in out and "torchrun" in out and "NCCL" in out
+
+
+def test_two_gloo_processes_train_from_the_feature_cache_as_one_does(tmp_path, targets):
+    """torchrun-style (gloo on CPU): rank 0 answers the --data prompts and both fill the cache, each its share of
+    the shards; the heads trained on half a batch each, gradients averaged, equal the one-process heads."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from export.drafters.medusa import read_medusa
+
+    data = ["--data", write_jsonl(tmp_path / "d.jsonl", PROMPTS), "--gen-tokens", "10"]
+    argv = lambda name: (["train-drafter", "medusa", "--target", targets["qwen2"], "--out", str(tmp_path / name),
+                          "--work", str(tmp_path / "w" / name), "--cache-dir", str(tmp_path / f"cache-{name}")]
+                         + TINY + data + ["--threads", "2"])
+    assert main(argv("one")) == 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(cli_worker, args=(2, port, argv("two")), nprocs=2, join=True, start_method="spawn")
+    one, two = read_medusa(str(tmp_path / "one")), read_medusa(str(tmp_path / "two"))
+    for k in one.weights:
+        np.testing.assert_allclose(two.weights[k], one.weights[k], atol=2e-3, rtol=0)  # fp16 files

@@ -1,5 +1,7 @@
 """The trainer's torch target (export/drafters/target.py) reads every family `edgespec bundle` accepts through the
 bundle's HF reader and computes what transformers computes: Qwen3 (q/k norms), Qwen2 (biases, tied head), Llama."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -37,3 +39,16 @@ def test_generation_with_the_kv_cache_equals_full_forwards(tmp_path, family):
     with torch.no_grad():
         full, _ = target(torch.tensor([seq]))
     np.testing.assert_allclose(torch.stack(logits).numpy(), full[0, 3:].numpy(), atol=1e-4, rtol=0)
+
+
+def test_the_zoo_target_reads_as_the_zoo_model_class_computes_it():
+    """The zoo's own checkpoint (Llama, tied head, an MTP module at model.layers.8, left out) through the one reader."""
+    from export.zoo.model import load_hf
+    from tests.support import REPO_ROOT
+
+    path = os.path.join(REPO_ROOT, "zoo", "target")
+    ids = torch.randint(0, 3072, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, _ = load_hf(path)(ids)
+        got, _ = load_target(path)(ids)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-4, rtol=0)
