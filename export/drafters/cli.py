@@ -56,13 +56,17 @@ DFlash (dflash, dflash2): --layers Qwen3-style draft layers reading the target's
 slot weights exp(-(t-1)/7); dflash2 adds local mixing and the candidate selector (--selector-rank, top-16).
 Written as config.json + model.safetensors (fp16) in the z-lab layout (export/drafters/dflash.py):
   edgespec train-drafter dflash2 --target zoo/target --out zoo/dflash2 --layers 2 --minutes 12
+
+MTP (mtp): a DeepSeek-V3-style multi-token-prediction module for a target that ships none (one decoder layer of
+the target's family on [emb(x_t+1), h_t], the target's head), written with the keys model.layers.N.*; add it
+to the target's bundle with `edgespec bundle --target DIR --mtp OUT --out BUNDLE`.
 """
 
-KINDS = ("medusa", "eagle1", "eagle3", "dflash", "dflash2")
+KINDS = ("medusa", "eagle1", "eagle3", "dflash", "dflash2", "mtp")
 
 
 def register(sub) -> None:
-    p = sub.add_parser("train-drafter", help="distil a drafter (medusa) from a target with the shared trainer",
+    p = sub.add_parser("train-drafter", help="distil a drafter (medusa, eagle1, eagle3, dflash, dflash2, mtp) from a target",
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("kind", choices=KINDS, help="the drafter kind to train")
     p.add_argument("--target", required=True, metavar="DIR", help="the target's HF directory (e.g. zoo/target)")
@@ -253,6 +257,11 @@ def _task(args, target, say, cfg):
 
         task = EagleTask("eagle" if args.kind == "eagle1" else "eagle3", target, unroll=args.unroll)
         shape = f"one layer, training-time test over {args.unroll} steps"
+    elif args.kind == "mtp":
+        from export.drafters.mtp_train import MTPTask
+
+        task = MTPTask(target)
+        shape = f"one DeepSeek-V3-style module (a {target.cfg.family} layer) reading {task.taps[0]}"
     else:
         from export.drafters.dflash_train import DFlashTask
 

@@ -12,7 +12,7 @@ from runtime.cli import main
 from tests.support.cli_worker import cli_worker
 from tests.support.hf_targets import FAMILIES, save_target
 
-KINDS = ("medusa", "eagle1", "eagle3", "dflash", "dflash2")
+KINDS = ("medusa", "eagle1", "eagle3", "dflash", "dflash2", "mtp")
 TINY = ["--steps", "2", "--batch", "2", "--seq-len", "24", "--threads", "1", "--eval-every", "2", "--eval-rows", "2",
         "--cache-rows", "4", "--heads", "2", "--unroll", "2", "--block-sizes", "4", "--anchors", "4",
         "--selector-rank", "8", "--tree-nodes", "4", "--top-k", "16", "--device", "cpu"]
@@ -54,11 +54,11 @@ def test_every_drafter_kind_trains_on_the_target_and_the_bundle_takes_it(tmp_pat
     assert out.count("computing doc, final_norm") == 2 and out.count(": computing layer_") >= 2
     bundle = ["bundle", "--target", target, "--out", str(tmp_path / "bundle"), "--medusa", str(tmp_path / "medusa"),
               "--eagle", str(tmp_path / "eagle1"), "--eagle3", str(tmp_path / "eagle3"),
-              "--dflash", str(tmp_path / "dflash"), "--dflash", str(tmp_path / "dflash2")]
+              "--dflash", str(tmp_path / "dflash"), "--dflash", str(tmp_path / "dflash2"), "--mtp", str(tmp_path / "mtp")]
     assert main(bundle) == 0, capsys.readouterr().err
     with open(tmp_path / "bundle" / "bundle.yaml") as f:
         manifest = f.read()
-    for name in ("medusa", "eagle", "eagle3", "dflash"):
+    for name in ("medusa", "eagle", "eagle3", "dflash", "mtp"):
         assert f"kind: {name}" in manifest
 
 
