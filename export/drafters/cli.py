@@ -292,12 +292,12 @@ def _mask_token(target_dir: str) -> int:
 
 def _sources(args, cfg, target, task, data, cache_dir, dist, say):
     """(training batch source, held-out batches): from the feature cache, or on the fly with --no-cache."""
-    from export.drafters.trainer import OnTheFly
+    from export.drafters.trainer import LazyBatches, OnTheFly
 
     has_heldout = any(k.endswith("_heldout") and len(v) for k, v in data.items())
     if args.no_cache:
         held = OnTheFly(data, cfg, target, task.taps, split="heldout") if has_heldout else None
-        return None, [held.batch(i) for i in range(-(-args.eval_rows // cfg.batch))] if held else []
+        return None, LazyBatches(held.batch, -(-args.eval_rows // cfg.batch)) if held else []
     from export.drafters.features import CachedSource, FeatureCache, cache_rows, heldout_batches
 
     root = os.path.join(cache_dir, "features")

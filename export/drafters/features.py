@@ -24,7 +24,8 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from export.drafters.trainer import TargetBatch, TrainConfig, frozen_embed_head, packed_layout, target_batch
+from export.drafters.trainer import (LazyBatches, TargetBatch, TrainConfig, frozen_embed_head, packed_layout,
+                                     target_batch)
 
 DTYPES = ("float32", "float16")
 
@@ -182,10 +183,11 @@ class CachedSource:
             f"(the cache: {(took + fwd) / max(took, 1e-9):.1f}x faster)")
 
 
-def heldout_batches(cache: FeatureCache, taps: Sequence[str], batch: int, device: str = "cpu") -> list:
-    """Every row of a held-out cache, as batches of `batch` rows (the evaluation set)."""
+def heldout_batches(cache: FeatureCache, taps: Sequence[str], batch: int, device: str = "cpu") -> LazyBatches:
+    """Every row of a held-out cache, as batches of `batch` rows read when iterated (the evaluation set)."""
     n = len(cache.ids)
-    return [cache.batch(np.arange(a, min(a + batch, n)), taps, device) for a in range(0, n, batch)]
+    return LazyBatches(lambda i: cache.batch(np.arange(i * batch, min((i + 1) * batch, n)), taps, device),
+                       -(-n // batch))
 
 
 def _weights_hash(target) -> bytes:

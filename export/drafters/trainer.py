@@ -14,8 +14,14 @@ batch's rows, so a task never sees whether it runs alone or on N processes.
 Labels are the target's own predictions (its soft distribution), never the data's tokens: a drafter is
 judged by how often the target accepts it, so it learns the target, mistakes included.
 
-Batch i is a pure function of (seed, i), and a checkpoint holds the task, the optimiser and the step:
-`--resume` continues exactly where a run stopped. Checkpoints are written to a temporary file and renamed.
+Batch i is a pure function of (seed, i), and a checkpoint holds the task, the optimiser, the step and the held-out
+curve: `--resume` continues exactly where a run stopped. Checkpoints are written to a temporary file and renamed.
+
+Where batches come from: computed by the target at each step (`OnTheFly`), or read from the feature cache
+(export/drafters/features.py: the target's taps and top-k logits over a fixed set of rows, computed once). Every
+`eval_every` steps the task is evaluated on held-out batches (export/drafters/heldout.py: per-depth acceptance,
+expected tau, the curve in work/curve.json), and `until_plateau` stops when that tau stops rising. On a GPU
+(`device` cuda) the task runs under autocast (bf16, or fp16 with loss scaling) and torchrun uses NCCL.
 """
 from __future__ import annotations
 
@@ -201,6 +207,20 @@ def keep_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     """(..., V) -> the same logits where they are among the row's k largest, -inf elsewhere."""
     vals, idx = logits.topk(min(k, logits.shape[-1]), -1)
     return torch.full_like(logits, float("-inf")).scatter_(-1, idx, vals)
+
+
+class LazyBatches:
+    """n batches made one at a time when iterated (batch i = make(i)): a held-out set of big-vocabulary (B, T, V)
+    logits is never all in memory at once."""
+
+    def __init__(self, make: Callable[[int], TargetBatch], n: int):
+        self.make, self.n = make, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        return (self.make(i) for i in range(self.n))
 
 
 class OnTheFly:
