@@ -29,17 +29,20 @@ Devices: --device auto (CUDA when torch sees a GPU) | cpu | cuda. On a GPU the t
 where bf16 is missing) and the drafter runs under autocast; for data parallelism run it under torchrun (NCCL on
 GPUs, one per process by LOCAL_RANK; gloo on CPU); each process takes its share of every batch's rows:
   torchrun --nproc-per-node 2 -m runtime.cli train-drafter medusa --target zoo/target --out /tmp/heads
-  torchrun --nproc-per-node 8 -m runtime.cli train-drafter eagle3 --target Qwen3-8B --data chats.jsonl \
-      --out /data/eagle3 --device cuda --batch 64 --seq-len 2048 --cache-rows 200000 --until-plateau
+  torchrun --nproc-per-node 8 -m runtime.cli train-drafter eagle3 --target Qwen3-8B --data chats.jsonl \\
+      --keep-answers --out /data/eagle3 --device cuda --batch 16 --seq-len 2048 --cache-rows 100000 --until-plateau
 
 What a real run needs: the zoo's heads train in minutes on 2 CPU cores. A robot-sized target (0.6-8 B) is a
 GPU job: the EAGLE papers train on about 68K ShareGPT dialogues (EAGLE-1; EAGLE-3 adds UltraChat-200K, i.e.
 ~100-500 M tokens) and report 1-2 days on 4 A100s for 7-70 B targets, i.e. on the order of 100 GPU-hours; a
-1-2 B target takes a fraction of that (~10-20 GPU-hours). Here that means a --data file of 50-250K prompts
-(the target answers each: generating them is ~1/3 of the time at 8 B), a feature cache of
-rows x seq-len x (taps x hidden + 2 x top-k) x 2 bytes (fp16; EAGLE-3 on an 8 B target: ~25 KB a token, so
-~2.5 TB per 100 M tokens: cache a subset with --cache-rows, or pass --no-cache), and GPUs with the target's
-weights plus activations (8 B in bf16: 16 GB + a few GB per 2K-token row).
+1-2 B target takes a fraction of that (~10-20 GPU-hours). Here that means:
+  data    a --data file of 50-250K prompts or chats. The target answers each prompt here one at a time (batch 1,
+          KV cache, eager torch): fine for a few thousand; for more, have a serving engine run the SAME target
+          over the prompts and pass its chats with --keep-answers (the rows are then its answers as given);
+  cache   rows x seq-len x (taps x hidden + 6 x top-k) bytes in fp16 (EAGLE-3 on an 8 B target: ~33 KB a
+          token, ~3.3 TB per 100 M tokens): cache a subset with --cache-rows, or pass --no-cache;
+  memory  the target's weights (8 B in bf16: 16 GB) plus, per row of a batch on a GPU, the target's full
+          (seq-len x vocabulary) float32 distribution (2K x 152K: 1.2 GB): 1-2 rows per GPU at 2K tokens.
 
 examples:
   edgespec train-drafter medusa --target zoo/target --out zoo/medusa --heads 4 --minutes 10
@@ -91,6 +94,9 @@ def register(sub) -> None:
     p.add_argument("--data", metavar="FILE",
                    help="JSONL prompts or chats to distil on ({\"prompt\": ...} or {\"messages\": [...]} a line), "
                         "answered by the target; default: the zoo's domains")
+    p.add_argument("--keep-answers", action="store_true",
+                   help="--data: train on the chats' own assistant turns (answers the target wrote elsewhere, e.g. "
+                        "with a serving engine) instead of having the target answer here")
     p.add_argument("--samples", type=int, default=2,
                    help="--data: the target's continuations per prompt, the first greedy, the rest sampled at T=1 "
                         "(default 2)")
@@ -176,7 +182,7 @@ def _check(args) -> None:
     if args.data:
         from export.drafters.user_data import read_data_file
 
-        read_data_file(args.data)  # a malformed line is refused before the target is loaded
+        read_data_file(args.data, args.keep_answers)  # a malformed line is refused before the target is loaded
     from export.drafters.medusa import HEAD_FILE
 
     files = (HEAD_FILE, "config.json") if args.kind == "medusa" else ("model.safetensors", "config.json")
@@ -236,7 +242,7 @@ def _data(args, cfg, target, cache_dir, dist, say):
     def build():
         if args.data:
             return build_user_data(args.target, target, args.data, cache_dir, cfg.seed, args.samples,
-                                   args.gen_tokens, say)
+                                   args.gen_tokens, say, keep_answers=args.keep_answers)
         return split_heldout(build_token_data(os.path.join(args.target, "tokenizer.json"), cache_dir, cfg.seed,
                                               cfg.n_planner, cfg.n_action, cfg.n_text, say))
 

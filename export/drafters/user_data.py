@@ -8,7 +8,8 @@ through the target's own chat template with the generation prompt (a prompt is o
 turns are dropped: the target writes the answer), or, for a base model without one, as its text template
 (BOS + text). The target then writes `samples` continuations of each: the first greedy, the others sampled at
 temperature 1 (the self-distillation of the EAGLE and DFlash recipes), up to `max_new` tokens or an EOS token,
-so every row is text the target itself would produce. Every 20th prompt (with fewer than 20, the last) is held
+so every row is text the target itself would produce. With keep_answers a chat ending in an assistant turn
+is kept whole instead (answers the same target wrote with a faster engine; the labels are still the target's). Every 20th prompt (with fewer than 20, the last) is held
 out for evaluation.
 
 A line that is not such an object is refused with a ConfigError naming the file, the line and the field."""
@@ -28,8 +29,9 @@ from runtime.errors import ConfigError
 ROLES = ("system", "user", "assistant")
 
 
-def read_data_file(path: str) -> List[List[Dict[str, str]]]:
-    """FILE -> one message list per example (a prompt becomes [{"role": "user", "content": prompt}])."""
+def read_data_file(path: str, keep_answers: bool = False) -> List[List[Dict[str, str]]]:
+    """FILE -> one message list per example (a prompt becomes [{"role": "user", "content": prompt}]); trailing
+    assistant turns are dropped (the target answers) unless keep_answers."""
     if not os.path.isfile(path):
         raise ConfigError(f"--data {path}: no such file; give a JSONL file of {{\"prompt\": ...}} or "
                           "{\"messages\": [...]} lines")
@@ -37,13 +39,13 @@ def read_data_file(path: str) -> List[List[Dict[str, str]]]:
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if line.strip():
-                out.append(_example(line, f"--data {path} line {n}"))
+                out.append(_example(line, f"--data {path} line {n}", keep_answers))
     if not out:
         raise ConfigError(f"--data {path}: no examples (every line is blank)")
     return out
 
 
-def _example(line: str, where: str) -> List[Dict[str, str]]:
+def _example(line: str, where: str, keep_answers: bool = False) -> List[Dict[str, str]]:
     try:
         d = json.loads(line)
     except ValueError as exc:
@@ -70,7 +72,7 @@ def _example(line: str, where: str) -> List[Dict[str, str]]:
         if not isinstance(m.get("content"), str):
             raise ConfigError(f"{where}: field \"messages[{i}].content\": expected a string, got "
                               f"{m.get('content')!r}")
-    while msgs and msgs[-1]["role"] == "assistant":  # the target writes the answer itself
+    while msgs and msgs[-1]["role"] == "assistant" and not keep_answers:  # the target writes the answer itself
         msgs = msgs[:-1]
     if not any(m["role"] == "user" for m in msgs):
         raise ConfigError(f"{where}: field \"messages\": no user turn to answer")
@@ -78,9 +80,10 @@ def _example(line: str, where: str) -> List[Dict[str, str]]:
 
 
 def render(fmt, messages: List[Dict[str, str]]) -> str:
-    """The prompt text of one example, as the bundle's prompt format renders a request for this model."""
+    """The prompt text of one example, as the bundle's prompt format renders a request for this model (a chat
+    ending in an assistant turn: the whole conversation, no generation prompt)."""
     if fmt.chat_template:
-        return fmt.render_chat(messages, add_generation_prompt=True)
+        return fmt.render_chat(messages, add_generation_prompt=messages[-1]["role"] != "assistant")
     return fmt.render("text", text="\n\n".join(m["content"] for m in messages))
 
 
@@ -106,16 +109,17 @@ def continue_prompt(target, prompt: Sequence[int], max_new: int, eos: Sequence[i
 
 
 def build_user_data(target_dir: str, target, data_file: str, work: str, seed: int, samples: int, max_new: int,
-                    log=print) -> Dict[str, List[np.ndarray]]:
+                    log=print, keep_answers: bool = False) -> Dict[str, List[np.ndarray]]:
     """{'data_train': [...], 'data_heldout': [...]}: prompt + target continuation rows (int32), cached in
-    work/ under a hash of the target, the file and the settings."""
+    work/ under a hash of the target, the file and the settings. keep_answers: a chat that ends in an answer is
+    one row as given (no generation); the others are still answered by the target."""
     from export.bundle.prompts import bundle_prompts
     from export.drafters.target import eos_ids
     from runtime.text.tokenizer import Tokenizer
 
-    examples = read_data_file(data_file)  # refuses a malformed line before any work
+    examples = read_data_file(data_file, keep_answers)  # refuses a malformed line before any work
     with open(data_file, "rb") as f:
-        key = hashlib.sha256(f.read() + f"{target.fingerprint}:{seed}:{samples}:{max_new}".encode()).hexdigest()[:16]
+        key = hashlib.sha256(f.read() + f"{target.fingerprint}:{seed}:{samples}:{max_new}:{keep_answers}".encode()).hexdigest()[:16]
     path = os.path.join(work, f"user-data-{key}.npz")
     if os.path.exists(path):
         z = np.load(path, allow_pickle=True)  # our own cache, written below (object arrays of int32)
@@ -133,6 +137,9 @@ def build_user_data(target_dir: str, target, data_file: str, work: str, seed: in
         room = min(max_new, target.cfg.max_position_embeddings - len(prompt))
         held = n % 20 == 19 or (len(examples) < 20 and n == len(examples) - 1)  # fewer: the last prompt
         split = "data_heldout" if held and len(examples) > 1 else "data_train"
+        if messages[-1]["role"] == "assistant":  # --keep-answers: the answer as given
+            data[split].append(np.asarray(prompt, np.int32))
+            continue
         for s in range(samples):
             g = None if s == 0 else torch.Generator().manual_seed(seed * 1_000_003 + n * 101 + s)
             data[split].append(np.asarray(prompt + continue_prompt(target, prompt, room, eos, g), np.int32))
