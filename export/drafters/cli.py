@@ -39,7 +39,7 @@ GPU job: the EAGLE papers train on about 68K ShareGPT dialogues (EAGLE-1; EAGLE-
   data    a --data file of 50-250K prompts or chats. The target answers each prompt here one at a time (batch 1,
           KV cache, eager torch): fine for a few thousand; for more, have a serving engine run the SAME target
           over the prompts and pass its chats with --keep-answers (the rows are then its answers as given);
-  cache   rows x seq-len x (taps x hidden + 6 x top-k) bytes in fp16 (EAGLE-3 on an 8 B target: ~33 KB a
+  cache   rows x seq-len x (2 x taps x hidden + 6 x top-k) bytes in fp16 (EAGLE-3 on an 8 B target: ~33 KB a
           token, ~3.3 TB per 100 M tokens): cache a subset with --cache-rows, or pass --no-cache;
   memory  the target's weights (8 B in bf16: 16 GB) plus, per row of a batch on a GPU, the target's full
           (seq-len x vocabulary) float32 distribution (2K x 152K: 1.2 GB): 1-2 rows per GPU at 2K tokens.
