@@ -221,6 +221,11 @@ def run(args) -> int:
     data = _data(args, cfg, target, cache_dir, dist, say)
     task = _task(args, target, say, cfg)
     source, heldout = _sources(args, cfg, target, task, data, cache_dir, dist, say)
+    if args.until_plateau and not heldout:
+        from runtime.errors import ConfigError
+
+        raise ConfigError("--until-plateau: no held-out rows to judge the plateau by (--data needs 2 or more "
+                          "examples: the last of fewer than 20, else every 20th, is held out)")
     result = train(task, target, data, cfg, work, resume=args.resume, log=log, source=source, heldout=heldout)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

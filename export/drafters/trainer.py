@@ -355,6 +355,8 @@ def train(task: DrafterTask, target, data: Optional[Dict[str, list]], cfg: Train
     dist = Dist.from_env(cfg.device)
     if cfg.batch % dist.world:
         raise ValueError(f"batch {cfg.batch} rows cannot be split evenly over {dist.world} processes")
+    if cfg.until_plateau and not heldout:
+        raise ValueError("until_plateau needs held-out batches to judge the plateau by")
     torch.set_num_threads(max(1, cfg.threads // dist.world))
     say = log if dist.rank == 0 else (lambda _msg: None)
     target.eval()

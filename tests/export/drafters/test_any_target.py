@@ -123,3 +123,12 @@ def test_two_gloo_processes_train_from_the_feature_cache_as_one_does(tmp_path, t
     one, two = read_medusa(str(tmp_path / "one")), read_medusa(str(tmp_path / "two"))
     for k in one.weights:
         np.testing.assert_allclose(two.weights[k], one.weights[k], atol=2e-3, rtol=0)  # fp16 files
+
+
+def test_until_plateau_without_heldout_rows_is_refused_instead_of_running_forever(tmp_path, targets, capsys):
+    argv = ["train-drafter", "medusa", "--target", targets["llama"], "--out", str(tmp_path / "o"), "--work",
+            str(tmp_path / "w"), "--cache-dir", str(tmp_path / "c"), "--data", write_jsonl(tmp_path / "d.jsonl",
+                                                                                          PROMPTS[:1]),
+            "--gen-tokens", "4", "--until-plateau"]
+    assert main(argv + TINY) == 2
+    assert "--until-plateau: no held-out rows" in capsys.readouterr().err
