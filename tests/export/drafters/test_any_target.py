@@ -1,6 +1,7 @@
 """`edgespec train-drafter KIND --target HF_DIR` serves a user's model: tiny Qwen3 (q/k norms), Qwen2 (biases, tied
 head) and Llama targets train every drafter kind for a few steps, from the zoo's domains and from a --data file
-the target answers itself, and `edgespec bundle` takes what it wrote for that target; a malformed --data line is
+the target answers itself, and `edgespec bundle` takes what it wrote for that target (each drafter's greedy
+output through a Session equal to plain decoding); a malformed --data line is
 refused naming its line and field; the CUDA device is refused where there is none."""
 import json
 import os
@@ -60,6 +61,19 @@ def test_every_drafter_kind_trains_on_the_target_and_the_bundle_takes_it(tmp_pat
         manifest = f.read()
     for name in ("medusa", "eagle", "eagle3", "dflash", "mtp"):
         assert f"kind: {name}" in manifest
+    if source == "zoo":  # each trained drafter serves the target exactly: greedy output is plain decoding's
+        from runtime.model import bundle as bundle_io
+        from runtime.serving.session import GenerationParams, Session
+
+        params = GenerationParams(max_tokens=10)
+        want = Session.open(str(tmp_path / "bundle"), drafter="none", backend="numpy_ref").generate(
+            "bring me the red cup", params).token_ids
+        drafters = sorted(bundle_io.load(str(tmp_path / "bundle")).drafters)
+        assert len(want) == 10 and {"medusa", "eagle2", "eagle3", "dflash", "dflash2", "mtp"} <= set(drafters)
+        for name in drafters:
+            s = Session.open(str(tmp_path / "bundle"), drafter=name, backend="numpy_ref")
+            assert s.generate("bring me the red cup", params).token_ids == want, name
+            s.close()
 
 
 BAD_LINES = [
