@@ -193,7 +193,8 @@ def _check(args) -> None:
 
 def run(args) -> int:
     _check(args)
-    from export.drafters.trainer import Dist, TrainConfig, resolve_device, train
+    from export.drafters.parallel import Dist, resolve_device
+    from export.drafters.trainer import TrainConfig, train
     from export.drafters.target import load_target
 
     def log(msg: str) -> None:
