@@ -6,7 +6,9 @@ edgespec's GPU paths and print one summary table.
     greedy identity and speed (`edgespec bench`), a short `edgespec certify`;
   TensorRT (when its bindings and cuda-python import): engines built (`edgespec export --to tensorrt`), the same
     equivalence (eager and with CUDA graphs), bench and certify, bench again with CUDA graphs, and the forward cost
-    by new tokens x context (`python -m runtime.commands.bench_backend`).
+    by new tokens x context (`python -m runtime.commands.bench_backend`);
+  torch CUDA (when torch sees the GPU): a short `edgespec train-drafter eagle3 --device cuda` on the zoo target
+    (bf16 target, autocast, the feature cache, held-out evaluation), ~1 minute.
 
 It works on a copy of the zoo bundle under --work, never on build/bundles. Nothing is downloaded unless pip can
 reach an index (tried once, with a 5 s timeout); whatever is missing is named in the table as SKIPPED, with the
@@ -56,6 +58,9 @@ def probe() -> Dict[str, object]:
         facts["cuda-python"] = "yes"
     except Exception:
         facts["cuda-python"] = None
+    if facts["torch"]:
+        import torch
+        facts["torch_cuda"] = torch.cuda.is_available()
     if facts["onnxruntime"]:
         import onnxruntime
         facts["ort_providers"] = onnxruntime.get_available_providers()
@@ -101,6 +106,12 @@ def plan(facts: Dict[str, object]) -> List[Tuple[str, str, Optional[str]]]:
         elif not trt:
             why = "cuda-python is not installed"
         rows.append((check, "tensorrt", why))
+    why = None
+    if not facts.get("torch"):
+        why = "torch is not installed (train-drafter needs it)"
+    elif not facts.get("torch_cuda"):
+        why = f"torch {facts['torch']} sees no CUDA device (a CPU-only build?)"
+    rows.append(("train-drafter, feature cache", "torch CUDA", why))
     return rows
 
 
@@ -202,19 +213,25 @@ def commands(bundle: str) -> List[List[str]]:
     bench = ["--drafters", "none,draft_model", "--max-tokens", "32", "--rounds", "2", "--domains", "planner,text",
              "--json"]
     certify = ["--drafter", "draft_model", "--temperature", "1.0", "--draws", "3000", "--trees", "none"]
+    train = os.path.join(os.path.dirname(bundle), "train")
     return [["export", "--to", "onnx", "--bundle", bundle, "--precision", "fp16"],
             ["bench", "--config", jetson, "--bundle", bundle, *bench],
             ["certify", "--config", jetson, "--bundle", bundle, *certify],
             ["export", "--to", "tensorrt", "--bundle", bundle, "--max-context", "960", "--verify-tokens", "16"],
             ["bench", "--config", trt, "--bundle", bundle, "--max-context", "960", *bench],
-            ["certify", "--config", trt, "--bundle", bundle, "--max-context", "960", *certify]]
+            ["certify", "--config", trt, "--bundle", bundle, "--max-context", "960", *certify],
+            # the drafter trainer's CUDA path (bf16 target, autocast, feature cache, held-out curve): ~1 min
+            ["train-drafter", "eagle3", "--target", "zoo/target", "--out", f"{train}/eagle3", "--work", f"{train}/work",
+             "--cache-dir", f"{train}/cache", "--device", "cuda", "--steps", "40", "--batch", "8", "--seq-len", "256",
+             "--eval-every", "20", "--eval-rows", "16", "--cache-rows", "64", "--zoo-examples", "400",
+             "--zoo-domains", "planner,action", "--force"]]
 
 
 def execute(steps, args, start: float) -> List[Tuple[str, str, str, float, str]]:
     """Run the planned checks in order; a failed prerequisite skips what depends on it."""
     os.makedirs(args.work, exist_ok=True)
     bundle = os.path.join(args.work, "zoo")
-    cmds = dict(zip(("onnx-export", "onnx-bench", "onnx-certify", "trt-export", "trt-bench", "trt-certify"),
+    cmds = dict(zip(("onnx-export", "onnx-bench", "onnx-certify", "trt-export", "trt-bench", "trt-certify", "train"),
                     commands(bundle)))
     graphs_cfg = os.path.join(args.work, "runtime_tensorrt_graphs.yaml")
     with open(os.path.join(ROOT, "configs", "runtime_tensorrt.yaml")) as f:
@@ -232,12 +249,12 @@ def execute(steps, args, start: float) -> List[Tuple[str, str, str, float, str]]
     for check, backend, why in steps:
         left = args.budget_s - (time.time() - start)
         t0 = time.time()
-        prefix = "onnx" if backend.startswith("onnx") else "trt"
+        prefix = "onnx" if backend.startswith("onnx") else "torch" if backend == "torch CUDA" else "trt"
         if why is None and left < 20:
             why = f"the {args.budget_s:.0f} s budget is spent"
         if why is None and prefix in failed:
             why = "an earlier step of this backend failed"
-        if why is None and no_bundle:
+        if why is None and no_bundle and backend != "torch CUDA":
             why = no_bundle
         if why is not None:
             results.append((backend, check, "SKIPPED", 0.0, why))
@@ -264,6 +281,11 @@ def execute(steps, args, start: float) -> List[Tuple[str, str, str, float, str]]
                     cmd[cmd.index("--config") + 1] = graphs_cfg
                 rc, out = run(CLI + cmd, left)
                 ok, detail = bench_summary(out) if "[" in out else (False, out.strip()[-150:])
+            elif backend == "torch CUDA":
+                rc, out = run(CLI + cmds["train"], left)
+                print(out)  # the training log (held-out curve, cached-epoch speed-up) goes above the summary
+                lines = [ln for ln in out.splitlines() if "held-out at step" in ln]
+                ok, detail = rc == 0, (lines[-1] if lines and rc == 0 else out.strip()[-150:])[-150:]
             elif check == "certify":
                 rc, out = run(CLI + cmds[f"{prefix}-certify"], left)
                 lines = [ln for ln in out.splitlines() if ln.startswith("certify:")]

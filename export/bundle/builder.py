@@ -126,18 +126,37 @@ def _publish(staged: str, out: str) -> None:
     shutil.rmtree(old)
 
 
+def external_mtp(mtp_dir: str, spec, own: Dict[str, np.ndarray], target_dir: str) -> Dict[str, np.ndarray]:
+    """The MTP weights of `mtp_dir` (train-drafter mtp: model.layers.{N}.* keys, N = the target's layer count),
+    checked to sit after this target's layers. BundleError if the target has its own or they do not fit."""
+    from export.bundle.hf_reader import read_weights
+
+    if own:
+        raise BundleError(f"--mtp {mtp_dir}: the target {target_dir} has its own MTP module; give one or the other")
+    weights = read_weights(mtp_dir)
+    prefix = f"model.layers.{spec.num_layers}."
+    stray = sorted(k for k in weights if not k.startswith(prefix))
+    proj = weights.get(prefix + "eh_proj.weight")
+    if stray or proj is None or proj.shape != (spec.hidden_size, 2 * spec.hidden_size):
+        found = stray[:3] or f"eh_proj {None if proj is None else proj.shape}"
+        raise BundleError(f"--mtp {mtp_dir}: expected one MTP module after the target's {spec.num_layers} layers "
+                          f"({prefix}*, eh_proj ({spec.hidden_size}, {2 * spec.hidden_size})), found {found}; "
+                          "train it for this target with `edgespec train-drafter mtp --target DIR`")
+    return weights
+
+
 def build_bundle(target_dir: str, out: str, draft_dir: Optional[str] = None, name: Optional[str] = None,
                  default_drafter: Optional[str] = None, force: bool = False,
                  extend: Optional[Callable[[str], None]] = None, prompts: Optional[Dict[str, str]] = None,
                  report: Callable[[str], None] = lambda note: None, medusa: Optional[str] = None,
-                 dflash_dirs: Sequence[str] = ()) -> str:
+                 dflash_dirs: Sequence[str] = (), mtp_dir: Optional[str] = None) -> str:
     """Write `out` as a numpy_ref bundle; `extend(staged_dir)` may add other backends' files before the
     bundle is renamed into place. `prompts`: the user's prompt files (keyword arguments of
     export.bundle.prompts.bundle_prompts: prompts_file, chat_template_file, planner_file, action_file); `report`
     receives a line saying where the prompt format came from; `medusa`: official Medusa heads to add;
     `dflash_dirs`: official DFlash / DFlash-2 drafter directories (export/drafters/dflash.py), each a drafter
-    named by its kind. Returns `out`. Refuses outputs per `check_output`."""
-    inputs = [d for d in (target_dir, draft_dir, medusa) if d] + [f for f in (prompts or {}).values() if f] \
+    named by its kind; `mtp_dir`: an MTP module trained for a target without one (see `external_mtp`). Returns `out`. Refuses outputs per `check_output`."""
+    inputs = [d for d in (target_dir, draft_dir, medusa, mtp_dir) if d] + [f for f in (prompts or {}).values() if f] \
         + list(dflash_dirs)
     check_output(out, inputs, force)
     name = name or os.path.basename(os.path.normpath(os.path.abspath(out)))
@@ -145,7 +164,8 @@ def build_bundle(target_dir: str, out: str, draft_dir: Optional[str] = None, nam
     os.makedirs(parent, exist_ok=True)
     staged = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.partial-", dir=parent)
     try:
-        _write_bundle(target_dir, staged, draft_dir, name, default_drafter, prompts or {}, report, medusa, dflash_dirs)
+        _write_bundle(target_dir, staged, draft_dir, name, default_drafter, prompts or {}, report, medusa, dflash_dirs,
+                      mtp_dir)
         if extend is not None:
             extend(staged)
         # mkdtemp makes it private; a bundle is read by other users (the ROS node): the mode mkdir would give
@@ -159,7 +179,7 @@ def build_bundle(target_dir: str, out: str, draft_dir: Optional[str] = None, nam
 
 def _write_bundle(target_dir: str, out: str, draft_dir: Optional[str], name: str,
                   default_drafter: Optional[str], prompts: Dict[str, str], report: Callable[[str], None],
-                  medusa: Optional[str] = None, dflash_dirs: Sequence[str] = ()) -> None:
+                  medusa: Optional[str] = None, dflash_dirs: Sequence[str] = (), mtp_dir: Optional[str] = None) -> None:
     target = read_hf_checkpoint(target_dir)
     if target.tokenizer_file is None:
         raise BundleError(f"{target_dir}: no tokenizer.json; the bundle needs the tokenizer the model was trained with")
@@ -170,6 +190,8 @@ def _write_bundle(target_dir: str, out: str, draft_dir: Optional[str], name: str
     w.set_prompts(fmt)
     spec = target.spec
     body, mtp = split_mtp(target.weights, spec.num_layers)
+    if mtp_dir:
+        mtp = external_mtp(mtp_dir, spec, mtp, target_dir)
     w.set_target(spec)
     bf16 = target.bf16_names  # kept as bf16, bit for bit: never silently widened to twice the bytes
     write_safetensors(w.path("target/model.safetensors"), body, bf16=[n for n in bf16 if n in body])

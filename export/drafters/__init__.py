@@ -1,2 +1,5 @@
-"""Drafters trained or loaded on the workstation: one shared trainer (`trainer.py`), one module per kind
-(`medusa.py`: official head files, training task, bundle entry)."""
+"""Drafters trained or loaded on the workstation: one shared trainer (`trainer.py`) over the frozen target
+(`target.py`, any family the bundle reads), its data (`data.py`: the zoo's domains; `user_data.py`: --data
+prompts answered by the target), the feature cache (`features.py`), held-out evaluation (`heldout.py`) and
+devices / torchrun (`parallel.py`); one module per kind (`medusa.py`: official head files, training task,
+bundle entry; `eagle*.py`, `dflash*.py`, `mtp_train.py`, `mtp_onnx.py`)."""

@@ -8,41 +8,64 @@ import time
 
 HELP = """Train a drafter by distillation on a frozen target, with the shared trainer (export/drafters/trainer.py).
 
-The target runs teacher-forced over generated robot-planner / action-token data and Shakespeare (the zoo's
-domains, tokenized with the target's tokenizer); the drafter learns the target's own next-token
-distributions. Progress lines show step, loss, per-head top-1 agreement, tokens/s and ETA; a checkpoint is
-written to --work every minute (atomically) and --resume continues from it.
+The target is any HF directory `edgespec bundle` accepts (Llama, Qwen2, Qwen3: config.json + safetensors +
+tokenizer.json), read with the bundle's reader. It runs teacher-forced over the training rows and the drafter
+learns the target's own next-token distributions (top --top-k logits). The rows are, by default, the zoo's
+domains (robot planner, action tokens, Shakespeare; tokenized with the target's tokenizer), or with --data FILE
+the user's prompts or chats (JSONL, one {"prompt": ...} or {"messages": [{"role", "content"}, ...]} a line),
+rendered with the target's own chat template as the bundle renders requests and answered by the target itself
+(--samples continuations each: the first greedy, the rest sampled at T = 1).
 
-What a real run needs: the target as an HF directory the zoo model class reads (zoo/target: Llama config +
-model.safetensors + tokenizer.json), torch (pip install 'edgespec[export]'), network once for the Shakespeare
-texts (else the text domain is left out, with a message), and a few minutes of CPU: the shipped zoo heads
-took 10 min on 2 shared cores. For data parallelism run it under torchrun (gloo on CPU); each process takes
-its share of every batch's rows:
+The target's taps and top-k logits over --cache-rows rows are computed once into a feature cache (sharded,
+memory-mapped .npy under --cache-dir, keyed on a hash of target + rows + top-k, one file per tap) and every
+drafter kind and epoch reads them back; the log says what a cached epoch costs against the target's forward.
+Every --eval-every steps the drafter is evaluated on held-out rows (every 20th example): per-depth acceptance
+and the expected tokens per cycle tau of its chain, printed and written to <work>/curve.json.
+--until-plateau trains until held-out tau stops rising (no gain above 0.5 % of the best for --patience
+evaluations in a row; constant learning rate after warm-up), not for a fixed time. A checkpoint is written to
+--work every minute (atomically) and --resume continues the same run and loss curve.
+
+Devices: --device auto (CUDA when torch sees a GPU) | cpu | cuda. On a GPU the target is held in bf16 (fp16
+where bf16 is missing) and the drafter runs under autocast; for data parallelism run it under torchrun (NCCL on
+GPUs, one per process by LOCAL_RANK; gloo on CPU); each process takes its share of every batch's rows:
   torchrun --nproc-per-node 2 -m runtime.cli train-drafter medusa --target zoo/target --out /tmp/heads
+  torchrun --nproc-per-node 8 -m runtime.cli train-drafter eagle3 --target Qwen3-8B --data chats.jsonl \\
+      --keep-answers --out /data/eagle3 --device cuda --batch 16 --seq-len 2048 --cache-rows 100000 --until-plateau
 
-A robot-sized target (0.6-8 B) is a GPU job: the EAGLE papers train on about 68K ShareGPT dialogues (EAGLE-1;
-EAGLE-3 adds UltraChat-200K) and report 1-2 days on 4 A100s for 7-70 B targets, i.e. on the order of 100
-GPU-hours; a 1-2 B target takes a fraction of that. This command does not do that run yet: its data are
-the zoo's domains (no chat-corpus option) and its processes run on CPU over gloo (no CUDA placement/NCCL).
+What a real run needs: the zoo's heads train in minutes on 2 CPU cores. A robot-sized target (0.6-8 B) is a
+GPU job: the EAGLE papers train on about 68K ShareGPT dialogues (EAGLE-1; EAGLE-3 adds UltraChat-200K, i.e.
+~100-500 M tokens) and report 1-2 days on 4 A100s for 7-70 B targets, i.e. on the order of 100 GPU-hours; a
+1-2 B target takes a fraction of that (~10-20 GPU-hours). Here that means:
+  data    a --data file of 50-250K prompts or chats. The target answers each prompt here one at a time (batch 1,
+          KV cache, eager torch): fine for a few thousand; for more, have a serving engine run the SAME target
+          over the prompts and pass its chats with --keep-answers (the rows are then its answers as given);
+  cache   rows x seq-len x (2 x taps x hidden + 6 x top-k) bytes in fp16 (EAGLE-3 on an 8 B target: ~33 KB a
+          token, ~3.3 TB per 100 M tokens): cache a subset with --cache-rows, or pass --no-cache;
+  memory  the target's weights (8 B in bf16: 16 GB) plus, per row of a batch on a GPU, the target's full
+          (seq-len x vocabulary) float32 distribution (2K x 152K: 1.2 GB): 1-2 rows per GPU at 2K tokens.
 
 examples:
   edgespec train-drafter medusa --target zoo/target --out zoo/medusa --heads 4 --minutes 10
   edgespec train-drafter medusa --target zoo/target --out /tmp/heads --steps 20 --batch 2 --seq-len 64
-  edgespec train-drafter eagle3 --target zoo/target --out zoo/eagle3 --minutes 5 --unroll 4
+  edgespec train-drafter eagle3 --target zoo/target --out zoo/eagle3 --until-plateau --unroll 4
+  edgespec train-drafter eagle3 --target ~/models/Qwen3-0.6B --data prompts.jsonl --out /tmp/eagle3 --device auto
 
 EAGLE (eagle1, eagle3): one decoder layer trained with the training-time test (unrolled --unroll steps on its
 own outputs, loss weights 0.8^j), written as config.json + model.safetensors (fp16) in the official layout
-(export/drafters/eagle.py). A real target needs the same data pipeline and, published heads report, on the
-order of a few GPU-days on ShareGPT/UltraChat-scale data for an 8B target.
+(export/drafters/eagle.py).
 
 DFlash (dflash, dflash2): --layers Qwen3-style draft layers reading the target's layer outputs, trained on
 --anchors blocks per row (each of a length drawn from --block-sizes: the bundle gets one drafter per size),
 slot weights exp(-(t-1)/7); dflash2 adds local mixing and the candidate selector (--selector-rank, top-16).
 Written as config.json + model.safetensors (fp16) in the z-lab layout (export/drafters/dflash.py):
   edgespec train-drafter dflash2 --target zoo/target --out zoo/dflash2 --layers 2 --minutes 12
+
+MTP (mtp): a DeepSeek-V3-style multi-token-prediction module for a target that ships none (one decoder layer of
+the target's family on [emb(x_t+1), h_t], the target's head), written with the keys model.layers.N.*; add it
+to the target's bundle with `edgespec bundle --target DIR --mtp OUT --out BUNDLE`.
 """
 
-KINDS = ("medusa", "eagle1", "eagle3", "dflash", "dflash2")
+KINDS = ("medusa", "eagle1", "eagle3", "dflash", "dflash2", "mtp")
 
 
 def register(sub) -> None:
@@ -60,8 +83,40 @@ def register(sub) -> None:
     p.add_argument("--heads", type=int, default=4, help="medusa: number of heads, 1..16 (default 4)")
     p.add_argument("--layers", type=int, default=1,
                    help="medusa: ResBlocks per head, 0..8; dflash: draft layers, 1..8 (default 1)")
-    p.add_argument("--steps", type=int, default=600, help="optimiser steps at most (default 600)")
-    p.add_argument("--minutes", type=float, default=10.0, help="training time at most, in minutes (default 10)")
+    p.add_argument("--steps", type=int, help="optimiser steps at most (default 600; with --until-plateau: no cap)")
+    p.add_argument("--minutes", type=float,
+                   help="training time at most, in minutes (default 10; with --until-plateau: no cap)")
+    p.add_argument("--until-plateau", action="store_true",
+                   help="train until held-out tau stops rising (see --patience) instead of for --steps/--minutes")
+    p.add_argument("--patience", type=int, default=3,
+                   help="--until-plateau: evaluations in a row without a gain above 0.5%% of the best (default 3)")
+    p.add_argument("--eval-every", type=int, default=50, help="held-out evaluation every N steps (default 50)")
+    p.add_argument("--eval-rows", type=int, default=32, help="held-out rows evaluated (default 32)")
+    p.add_argument("--data", metavar="FILE",
+                   help="JSONL prompts or chats to distil on ({\"prompt\": ...} or {\"messages\": [...]} a line), "
+                        "answered by the target; default: the zoo's domains")
+    p.add_argument("--keep-answers", action="store_true",
+                   help="--data: train on the chats' own assistant turns (answers the target wrote elsewhere, e.g. "
+                        "with a serving engine) instead of having the target answer here")
+    p.add_argument("--samples", type=int, default=2,
+                   help="--data: the target's continuations per prompt, the first greedy, the rest sampled at T=1 "
+                        "(default 2)")
+    p.add_argument("--gen-tokens", type=int, help="--data: tokens the target writes per continuation at most "
+                                                  "(default --seq-len)")
+    p.add_argument("--zoo-examples", type=int,
+                   help="zoo domains: planner examples (action: 2/5 of it, text: 3/20; default 20000)")
+    p.add_argument("--zoo-domains", default="planner,action,text",
+                   help="zoo domains used without --data, comma-separated (default planner,action,text)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto: cuda when there is a GPU)")
+    p.add_argument("--top-k", type=int, default=64,
+                   help="the target's distribution kept as its top-k logits (default 64; 0 = all, --no-cache only)")
+    p.add_argument("--no-cache", action="store_true", help="compute the target's features at every step")
+    p.add_argument("--cache-dir", metavar="DIR",
+                   help="feature and data cache, shared by every kind (default build/train-drafter/cache)")
+    p.add_argument("--cache-rows", type=int, default=512,
+                   help="training rows in the feature cache: one epoch (default 512)")
+    p.add_argument("--cache-dtype", default="float16", choices=("float16", "float32"),
+                   help="how cached taps and logits are stored (default float16)")
     p.add_argument("--batch", type=int, default=8, help="rows per step over all processes (default 8)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per row (default 256)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
@@ -80,12 +135,31 @@ def register(sub) -> None:
 def _check(args) -> None:
     from runtime.errors import ConfigError
 
+    if args.steps is None:
+        args.steps = 10**7 if args.until_plateau else 600
+    if args.minutes is None:
+        args.minutes = 1e9 if args.until_plateau else 10.0
+    args.gen_tokens = args.gen_tokens or args.seq_len
     for flag, value, lo, hi in (("--heads", args.heads, 1, 16), ("--layers", args.layers, 0, 8),
                                 ("--steps", args.steps, 1, 10**7), ("--batch", args.batch, 1, 4096),
                                 ("--seq-len", args.seq_len, 8, 1 << 16), ("--tree-nodes", args.tree_nodes, 0, 256),
-                                ("--threads", args.threads, 1, 256)):
+                                ("--threads", args.threads, 1, 256), ("--patience", args.patience, 1, 1000),
+                                ("--eval-every", args.eval_every, 1, 10**7), ("--eval-rows", args.eval_rows, 1, 10**6),
+                                ("--samples", args.samples, 1, 64), ("--gen-tokens", args.gen_tokens, 1, 1 << 16),
+                                ("--top-k", args.top_k, 0, 1 << 20), ("--cache-rows", args.cache_rows, 1, 10**8)):
         if not lo <= value <= hi:
             raise ConfigError(f"{flag}: got {value}, expected {lo}..{hi}")
+    if args.zoo_examples is not None and not 10 <= args.zoo_examples <= 10**7:
+        raise ConfigError(f"--zoo-examples: got {args.zoo_examples}, expected 10..10000000")
+    from export.drafters.data import DOMAINS
+
+    domains = [d.strip() for d in args.zoo_domains.split(",") if d.strip()]
+    if not domains or set(domains) - set(DOMAINS):
+        raise ConfigError(f"--zoo-domains: got {args.zoo_domains!r}, expected a comma-separated subset of "
+                          f"{','.join(DOMAINS)}")
+    args.zoo_domains = domains
+    if args.top_k == 0 and not args.no_cache:
+        raise ConfigError("--top-k 0 (the whole distribution) is for --no-cache runs; the cache keeps the top k")
     if args.kind.startswith("dflash"):
         try:
             sizes = sorted({int(x) for x in args.block_sizes.split(",") if x.strip()})
@@ -98,12 +172,18 @@ def _check(args) -> None:
                                     ("--selector-rank", args.selector_rank, 1, 4096)):
             if not lo <= value <= hi:
                 raise ConfigError(f"{flag}: got {value}, expected {lo}..{hi}")
+    if not 1 <= args.unroll <= 16:
+        raise ConfigError(f"--unroll: got {args.unroll}, expected 1..16")
     if not args.minutes > 0 or not args.lr > 0:
         raise ConfigError(f"--minutes and --lr must be > 0, got {args.minutes} and {args.lr}")
     if not os.path.isfile(os.path.join(args.target, "config.json")):
         raise ConfigError(f"--target {args.target}: no config.json there; give the target's HF directory")
     if not os.path.isfile(os.path.join(args.target, "tokenizer.json")):
         raise ConfigError(f"--target {args.target}: no tokenizer.json there; the data is tokenized with it")
+    if args.data:
+        from export.drafters.user_data import read_data_file
+
+        read_data_file(args.data, args.keep_answers)  # a malformed line is refused before the target is loaded
     from export.drafters.medusa import HEAD_FILE
 
     files = (HEAD_FILE, "config.json") if args.kind == "medusa" else ("model.safetensors", "config.json")
@@ -114,114 +194,170 @@ def _check(args) -> None:
 
 def run(args) -> int:
     _check(args)
-    import torch
-
-    from export.drafters.data import build_token_data
-    from export.drafters.medusa import accuracy_report, measure_accuracy, medusa_task, top_k_accuracy, tune_tree
-    from export.drafters.trainer import Dist, TrainConfig, train
-    from export.zoo.model import load_hf
+    from export.drafters.parallel import Dist, resolve_device
+    from export.drafters.trainer import TrainConfig, train
+    from export.drafters.target import load_target
 
     def log(msg: str) -> None:
         print(f"[train-drafter {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
+    device = resolve_device(args.device)
+    n = args.zoo_examples or 20000
     cfg = TrainConfig(steps=args.steps, budget_s=60 * args.minutes, lr=args.lr, batch=args.batch,
-                      seq_len=args.seq_len, seed=args.seed, threads=args.threads)
+                      seq_len=args.seq_len, seed=args.seed, threads=args.threads,
+                      n_planner=n if "planner" in args.zoo_domains else 0,
+                      n_action=max(1, n * 2 // 5) if "action" in args.zoo_domains else 0,
+                      n_text=n * 3 // 20 if "text" in args.zoo_domains else 0, top_k=args.top_k, eval_every=args.eval_every,
+                      until_plateau=args.until_plateau, patience=args.patience, device=device)
     work = args.work or os.path.join("build", "train-drafter", args.kind)
+    cache_dir = args.cache_dir or os.path.join("build", "train-drafter", "cache")
+    dist = Dist.from_env(device)
+    say = log if dist.rank == 0 else (lambda _m: None)
+    import torch
+
     torch.manual_seed(args.seed)
-    target = load_hf(args.target)
-    rank = Dist.from_env().rank
-    data = build_token_data(os.path.join(args.target, "tokenizer.json"), work, cfg.seed, cfg.n_planner,
-                            cfg.n_action, cfg.n_text, log if rank == 0 else (lambda _m: None))
-    if args.kind.startswith("dflash"):
-        return _train_dflash(args, cfg, work, target, data, rank, log)
-    if args.kind != "medusa":
-        return _train_eagle(args, cfg, work, target, data, rank, log)
-    task = medusa_task(target, args.heads, args.layers)
-    (log if rank == 0 else (lambda _m: None))(f"medusa: {args.heads} heads x {args.layers} ResBlocks "
-        f"({sum(p.numel() for p in task.parameters()) / 1e6:.2f} M params) on {args.target}; "
-        f"up to {cfg.steps} steps of {cfg.batch}x{cfg.seq_len} tokens or {args.minutes:g} min")
-    result = train(task, target, data, cfg, work, resume=args.resume, log=log)
+    target = load_target(args.target, dist.device)
+    say(f"target {args.target}: {target.cfg.family}, {target.cfg.num_hidden_layers} layers x {target.cfg.hidden_size}"
+        f", vocabulary {target.cfg.vocab_size}, on {dist.device}" + (f" x {dist.world} processes" if dist.world > 1
+                                                                      else ""))
+    data = _data(args, cfg, target, cache_dir, dist, say)
+    task = _task(args, target, say, cfg)
+    source, heldout = _sources(args, cfg, target, task, data, cache_dir, dist, say)
+    if args.until_plateau and not heldout:
+        from runtime.errors import ConfigError
+
+        raise ConfigError("--until-plateau: no held-out rows to judge the plateau by (--data needs 2 or more "
+                          "examples: the last of fewer than 20, else every 20th, is held out)")
+    result = train(task, target, data, cfg, work, resume=args.resume, log=log, source=source, heldout=heldout)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    if rank != 0:
+    if dist.rank != 0:
         return 0
+    say(f"{args.kind}: stopped at step {result.steps} ({result.stopped}) after {result.seconds / 60:.1f} min; "
+        f"held-out curve in {os.path.join(work, 'curve.json')}")
+    extra = {}
+    if args.kind == "medusa":
+        extra = _medusa_config(args, task, target, heldout, say)
+    return _export_trained(args, task, result, say, extra)
+
+
+def _data(args, cfg, target, cache_dir, dist, say):
+    """The training and held-out rows: --data answered by the target, else the zoo's domains."""
+    from export.drafters.data import build_token_data, split_heldout
+    from export.drafters.user_data import build_user_data
+
+    def build():
+        if args.data:
+            return build_user_data(args.target, target, args.data, cache_dir, cfg.seed, args.samples,
+                                   args.gen_tokens, say, keep_answers=args.keep_answers)
+        return split_heldout(build_token_data(os.path.join(args.target, "tokenizer.json"), cache_dir, cfg.seed,
+                                              cfg.n_planner, cfg.n_action, cfg.n_text, say))
+
+    if dist.rank == 0:  # the others read what rank 0 wrote (the target's answers are not written twice)
+        data = build()
+    dist.barrier()
+    return data if dist.rank == 0 else build()
+
+
+def _task(args, target, say, cfg):
+    if args.kind == "medusa":
+        from export.drafters.medusa import medusa_task
+
+        task = medusa_task(target, args.heads, args.layers)
+        shape = f"{args.heads} heads x {args.layers} ResBlocks"
+    elif args.kind.startswith("eagle"):
+        from export.drafters.eagle_train import EagleTask
+
+        task = EagleTask("eagle" if args.kind == "eagle1" else "eagle3", target, unroll=args.unroll)
+        shape = f"one layer, training-time test over {args.unroll} steps"
+    elif args.kind == "mtp":
+        from export.drafters.mtp_train import MTPTask
+
+        task = MTPTask(target)
+        shape = f"one DeepSeek-V3-style module (a {target.cfg.family} layer) reading {task.taps[0]}"
+    else:
+        from export.drafters.dflash_train import DFlashTask
+
+        task = DFlashTask(args.kind, target, layers=args.layers, block_size=max(args.block_sizes),
+                          block_sizes=args.block_sizes, anchors=args.anchors, mask_token_id=_mask_token(args.target),
+                          selector_rank=args.selector_rank)
+        shape = (f"{args.layers} layers reading {', '.join(task.taps)}, blocks of "
+                 f"{'/'.join(map(str, task.block_sizes))}, {args.anchors} per row")
+    params = sum(p.numel() for p in task.parameters() if p.requires_grad) / 1e6
+    until = "until held-out tau plateaus" if cfg.until_plateau else f"up to {cfg.steps} steps or {args.minutes:g} min"
+    say(f"{args.kind}: {shape} ({params:.2f} M params) on {args.target}; {until}, {cfg.batch}x{cfg.seq_len} tokens "
+        "a step")
+    return task
+
+
+def _mask_token(target_dir: str) -> int:
+    """DFlash's mask token: the zoo's PAD, else the model's pad token, else id 0."""
+    from export.bundle.hf_reader import read_hf_prompts
+    from runtime.text.prompts import PAD
+    from runtime.text.tokenizer import Tokenizer
+
+    tok = Tokenizer(os.path.join(target_dir, "tokenizer.json"))
+    for name in (PAD, read_hf_prompts(target_dir, tok).special_tokens.get("pad_token")):
+        if name and tok.token_to_id(name) is not None:
+            return tok.token_to_id(name)
+    return 0
+
+
+def _sources(args, cfg, target, task, data, cache_dir, dist, say):
+    """(training batch source, held-out batches): from the feature cache, or on the fly with --no-cache."""
+    from export.drafters.trainer import LazyBatches, OnTheFly
+
+    has_heldout = any(k.endswith("_heldout") and len(v) for k, v in data.items())
+    if args.no_cache:
+        held = OnTheFly(data, cfg, target, task.taps, split="heldout") if has_heldout else None
+        return None, LazyBatches(held.batch, -(-args.eval_rows // cfg.batch)) if held else []
+    from export.drafters.features import CachedSource, FeatureCache, cache_rows, heldout_batches
+
+    root = os.path.join(cache_dir, "features")
+
+    def cache(rows):
+        c = FeatureCache(root, target, *rows, cfg.top_k, args.cache_dtype)
+        c.fill(task.taps, cfg.batch, dist.rank, dist.world, say)
+        dist.barrier()
+        c.fill(task.taps, cfg.batch, log=say)  # what another process left (none when all finished)
+        return c
+
+    train_cache = cache(cache_rows(data, cfg, args.cache_rows))
+    held = heldout_batches(cache(cache_rows(data, cfg, args.eval_rows, split="heldout")), task.taps,
+                           cfg.batch, dist.device) if has_heldout else []
+    return CachedSource(train_cache, cfg, task.taps, dist.device), held
+
+
+def _medusa_config(args, task, target, heldout, say) -> dict:
+    """The medusa config keys: the heads' shape, and the tree tuned on held-out accuracies."""
+    from export.drafters.medusa import accuracy_report, measure_accuracy, top_k_accuracy, tune_tree
+
     config = {"medusa_num_heads": args.heads, "medusa_num_layers": args.layers,
-              "base_model_name_or_path": os.path.abspath(args.target) if not os.path.isabs(args.target) else args.target,
-              "hidden_size": target.cfg.hidden_size, "vocab_size": target.cfg.vocab_size,
-              "training": {"command": "edgespec " + " ".join(sys.argv[1:]), "steps": result.steps,
-                           "seconds": round(result.seconds, 1), "final": {k: round(v, 4) for k, v in result.last.items()}}}
-    if args.target.rstrip("/").endswith("zoo/target"):
-        config["base_model_name_or_path"] = "zoo/target"
-    if args.tree_nodes:
-        acc = measure_accuracy(task, target, data, cfg)
+              "hidden_size": target.cfg.hidden_size, "vocab_size": target.cfg.vocab_size}
+    if args.tree_nodes and heldout:
+        acc = measure_accuracy(task, heldout)
         choices, tau = tune_tree(acc, args.tree_nodes)
-        log("accuracy per head on held-out batches (top-k: the target's token among the head's k best; "
+        say("accuracy per head on held-out batches (top-k: the target's token among the head's k best; "
             "rank-i: it is the head's i-th candidate, what the tree search weighs): "
             + "; ".join(accuracy_report(acc)))
-        log(f"tuned tree: {len(choices)} nodes, expected tau {tau:.2f} (greedy, independence assumed)")
+        say(f"tuned tree: {len(choices)} nodes, expected tau {tau:.2f} (greedy, independence assumed)")
         config["medusa_choices"] = choices
         config["tree_tuning"] = {"accuracy_by_rank": [[round(float(a), 4) for a in row[:5]] for row in acc],
                                  "top_k_accuracy": [[round(float(a), 4) for a in row[:5]] for row in top_k_accuracy(acc)],
                                  "expected_tau": round(tau, 3), "max_nodes": args.tree_nodes}
-    files = task.export(args.out, config)
-    log(f"wrote {', '.join(files)} ({os.path.getsize(files[0]) / 2**20:.1f} MiB)")
-    return 0
+    return config
 
 
-def _train_eagle(args, cfg, work, target, data, rank, log) -> int:
-    from export.drafters.eagle_train import EagleTask
-    from export.drafters.trainer import train
-
-    if not 1 <= args.unroll <= 16:
-        from runtime.errors import ConfigError
-        raise ConfigError(f"--unroll: got {args.unroll}, expected 1..16")
-    task = EagleTask("eagle" if args.kind == "eagle1" else "eagle3", target, unroll=args.unroll)
-    log(f"{args.kind}: one layer ({sum(p.numel() for p in task.parameters() if p.requires_grad) / 1e6:.2f} M params), "
-        f"training-time test over {args.unroll} steps, on {args.target}; up to {cfg.steps} steps of "
-        f"{cfg.batch}x{cfg.seq_len} tokens or {args.minutes:g} min")
-    result = train(task, target, data, cfg, work, resume=args.resume, log=log)
-    if rank != 0:
-        return 0
-    return _export_trained(args, task, result, log)
-
-
-def _train_dflash(args, cfg, work, target, data, rank, log) -> int:
-    from export.drafters.dflash_train import DFlashTask
-    from export.drafters.trainer import train
-    from runtime.text.prompts import PAD
-
-    from tokenizers import Tokenizer
-
-    mask = Tokenizer.from_file(os.path.join(args.target, "tokenizer.json")).token_to_id(PAD)
-    task = DFlashTask(args.kind, target, layers=args.layers, block_size=max(args.block_sizes),
-                      block_sizes=args.block_sizes, anchors=args.anchors, mask_token_id=0 if mask is None else mask,
-                      selector_rank=args.selector_rank)
-    say = log if rank == 0 else (lambda _m: None)
-    say(f"{args.kind}: {args.layers} layers ({sum(p.numel() for p in task.parameters()) / 1e6:.2f} M params) reading "
-        f"{', '.join(task.taps)}, blocks of {'/'.join(map(str, task.block_sizes))}, {args.anchors} per row, on "
-        f"{args.target}; up to {cfg.steps} steps of {cfg.batch}x{cfg.seq_len} tokens or {args.minutes:g} min")
-    result = train(task, target, data, cfg, work, resume=args.resume, log=log)
-    if torch_dist_initialized():
-        import torch.distributed
-
-        torch.distributed.destroy_process_group()
-    if rank != 0:
-        return 0
-    return _export_trained(args, task, result, log)
-
-
-def _export_trained(args, task, result, log) -> int:
+def _export_trained(args, task, result, log, extra=None) -> int:
     """Write the trained drafter in its official layout, its config naming the target and how it was trained."""
     base = "zoo/target" if args.target.rstrip("/").endswith("zoo/target") else os.path.abspath(args.target)
-    files = task.export(args.out, {"base_model_name_or_path": base,
-                                   "training": {"command": "edgespec " + " ".join(sys.argv[1:]), "steps": result.steps,
-                                                "seconds": round(result.seconds, 1),
-                                                "final": {k: round(v, 4) for k, v in result.last.items()}}})
+    training = {"command": "edgespec " + " ".join(sys.argv[1:]), "steps": result.steps,
+                "seconds": round(result.seconds, 1), "stopped": result.stopped,
+                "final": {k: round(v, 4) for k, v in result.last.items()}}
+    if result.curve:
+        last = result.curve[-1]
+        training["heldout"] = {"step": last["step"], "tau": round(last["tau"], 4),
+                               "per_depth": [round(a, 4) for a in last["per_depth"]]}
+    files = task.export(args.out, {**(extra or {}), "base_model_name_or_path": base, "training": training})
     log(f"wrote {', '.join(files)} ({os.path.getsize(files[0]) / 2**20:.1f} MiB)")
     return 0
-
-
-def torch_dist_initialized() -> bool:
-    import torch
-
-    return torch.distributed.is_available() and torch.distributed.is_initialized()

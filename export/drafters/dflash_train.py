@@ -123,7 +123,7 @@ class DFlashTask(DrafterTask):
         A valid anchor has a context row and a label in its own document. Drawn from a generator seeded by
         the batch's tokens, so a batch (a pure function of (seed, step)) always gets the same blocks."""
         B, T = batch.ids.shape
-        doc = batch.doc
+        doc = batch.doc.cpu()  # drawn on the CPU generator: the same blocks on every device
         valid = torch.zeros(B, T, dtype=torch.bool)
         valid[:, 1:T - 1] = (doc[:, 1:T - 1] == doc[:, :T - 2]) & (doc[:, 1:T - 1] == doc[:, 2:]) & (doc[:, 1:T - 1] >= 0)
         g = torch.Generator().manual_seed(int(batch.ids.sum()) * 7919 + T)
@@ -132,7 +132,8 @@ class DFlashTask(DrafterTask):
         top, p = score.topk(a, dim=1)
         sizes = torch.tensor(self.block_sizes)
         length = sizes[torch.randint(len(sizes), (B, a), generator=g)]
-        return p, top >= 0, length
+        dev = batch.ids.device
+        return p.to(dev), (top >= 0).to(dev), length.to(dev)
 
     def forward(self, batch: TargetBatch, collect: Optional[list] = None):
         """-> (loss, numbers); `collect`, if given, receives (anchors p, block logits (B, A, S-1, V))."""
@@ -143,19 +144,20 @@ class DFlashTask(DrafterTask):
         A = p.shape[1]
         ctx = self.hidden_norm(self.fc(torch.cat([batch.taps[t] for t in self.taps], -1)))  # (B, T, H)
         anchor_tok = batch.ids.gather(1, p)  # (B, A)
-        block = torch.full((B, A, S), self.mask_token_id, dtype=torch.long)
+        dev = batch.ids.device
+        block = torch.full((B, A, S), self.mask_token_id, dtype=torch.long, device=dev)
         block[:, :, 0] = anchor_tok
         x = F.embedding(block, batch.embed.detach()).float()  # (B, A, S, H)
-        slot = torch.arange(S)
+        slot = torch.arange(S, device=dev)
         pos_b = batch.positions.gather(1, p)[:, :, None] + slot  # (B, A, S) document-relative positions
         cos_b, sin_b = _rope(c, pos_b.reshape(B, A * S))
         cos_c, sin_c = _rope(c, batch.positions)
         # may attend: context rows j < p of the anchor's document; rows s' < L of the block itself
         doc_p = batch.doc.gather(1, p)  # (B, A)
-        see_ctx = (torch.arange(T)[None, None] < p[:, :, None]) & (batch.doc[:, None, :] == doc_p[:, :, None])
+        see_ctx = (torch.arange(T, device=dev)[None, None] < p[:, :, None]) & (batch.doc[:, None, :] == doc_p[:, :, None])
         see_blk = slot[None, None] < length[:, :, None]  # (B, A, S) key slots inside the block
         mask = torch.cat([see_ctx[:, :, None].expand(B, A, S, T).reshape(B, A * S, T),
-                          torch.block_diag(*[torch.ones(S, S, dtype=torch.bool)] * A)[None].expand(B, -1, -1)
+                          torch.block_diag(*[torch.ones(S, S, dtype=torch.bool, device=dev)] * A)[None].expand(B, -1, -1)
                           & see_blk.reshape(B, 1, A * S)], -1)[:, None]  # (B, 1, A*S, T + A*S)
         for layer in self.layers:
             a = layer.self_attn
@@ -185,7 +187,7 @@ class DFlashTask(DrafterTask):
         if collect is not None:
             collect.append((p, logits.detach()))
         # slot t = 1..S-1 predicts x_{p+t}: the target's distribution at p+t-1
-        t = torch.arange(1, S)
+        t = torch.arange(1, S, device=dev)
         at = (p[:, :, None] + t - 1).clamp(max=T - 1)  # (B, A, S-1)
         nxt = (p[:, :, None] + t).clamp(max=T - 1)
         valid = ok[:, :, None] & (t[None, None] < length[:, :, None]) & (p[:, :, None] + t < T) \
@@ -203,6 +205,7 @@ class DFlashTask(DrafterTask):
             for s in (1, 4, 8):
                 if s < S:
                     numbers[f"top1_{s}"] = float(hit[slots == s].mean()) if (slots == s).any() else 0.0
+            self.tally = [(float(hit[slots == s].sum()), int((slots == s).sum())) for s in range(1, S)]
         if self.v2:
             # the walk's conditional after the TRUE predecessor (the anchor for slot 1)
             prev = batch.ids.gather(1, at.flatten(1)).view_as(at)  # x_{p+t-1}
@@ -216,6 +219,8 @@ class DFlashTask(DrafterTask):
                 for s in (1, 4, 8):
                     if s < S:
                         numbers[f"walk1_{s}"] = float(chit[slots == s].mean()) if (slots == s).any() else 0.0
+                # the runtime draws slot t from this conditional: its acceptance is the walk's
+                self.tally = [(float(chit[slots == s].sum()), int((slots == s).sum())) for s in range(1, S)]
         return loss, numbers
 
     # -- export ------------------------------------------------------------------------------------
@@ -249,7 +254,8 @@ class DFlashTask(DrafterTask):
 
 def _rope(cfg, positions):
     """positions (B, N) -> cos, sin (B, 1, N, d) (HF layout, as the target's rotary embedding)."""
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device=positions.device)
+                                     / cfg.head_dim))
     ang = positions.float()[..., None] * inv
     emb = torch.cat([ang, ang], -1)
     return emb.cos()[:, None], emb.sin()[:, None]

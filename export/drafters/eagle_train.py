@@ -95,11 +95,13 @@ class EagleTask(DrafterTask):
         nxt[:, :-1] = batch.ids[:, 1:]
         emb = F.embedding(nxt, batch.embed)  # (B, T, H) embed(x_{t+1})
         scale = c.head_dim ** -0.5
+        dev = doc.device
         same = (doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] >= 0)  # (B, T, T)
-        idx = torch.arange(T)
+        idx = torch.arange(T, device=dev)
         keys: List = []  # per step: (k, v) (B, nh, T, d)
         loss = feat.new_zeros(())
         numbers: Dict[str, float] = {}
+        self.tally = []
         prev = None
         for j in range(self.unroll):
             if j > 0:  # own output at t-1 becomes the feature at t
@@ -109,7 +111,7 @@ class EagleTask(DrafterTask):
             s0 = (q @ keys[0][0].transpose(-1, -2)) * scale  # (B, nh, T, T) against the target-feature rows
             allow0 = same & (idx[None, :] <= idx[:, None] - j)[None]
             if j == 0:  # padding rows see themselves: no row of all -inf (NaN gradients)
-                allow0 = allow0 | torch.eye(T, dtype=torch.bool)[None]
+                allow0 = allow0 | torch.eye(T, dtype=torch.bool, device=dev)[None]
             s0 = s0.masked_fill(~allow0[:, None], float("-inf"))
             diag, vals = [], []
             for i in range(1, j + 1):  # ancestors: step i at position t - j + i
@@ -128,7 +130,7 @@ class EagleTask(DrafterTask):
             out = out + self.mlp(self.post_attention_layernorm(out))
             prev = out
             # valid: the root t-j, the position t and the label position t+1 lie in one document
-            valid = torch.zeros(B, T, dtype=torch.bool)
+            valid = torch.zeros(B, T, dtype=torch.bool, device=dev)
             valid[:, j:T - 1] = (doc[:, :T - 1 - j] == doc[:, j + 1:]) & (doc[:, j + 1:] >= 0)
             logits = self._logits(out, batch.head.detach())
             if collect is not None:
@@ -140,7 +142,9 @@ class EagleTask(DrafterTask):
                 reg = F.smooth_l1_loss(out[valid], batch.taps["final_norm"][:, 1:][valid[:, :T - 1]], reduction="sum")
                 loss = loss + reg / (B * T * c.hidden_size) * 10.0
             with torch.no_grad():
-                numbers[f"top1_{j}"] = float((got.argmax(-1) == want.argmax(-1)).float().mean()) if len(want) else 0.0
+                hit = (got.argmax(-1) == want.argmax(-1)).float()
+                self.tally.append((float(hit.sum()), len(hit)))
+                numbers[f"top1_{j}"] = float(hit.mean()) if len(want) else 0.0
         return loss, numbers
 
     def official_weights(self) -> Dict[str, np.ndarray]:

@@ -235,6 +235,7 @@ def _torch_task():
             B, T, _ = h.shape
             loss = h.new_zeros(())
             numbers = {}
+            self.tally = []
             for k, head in enumerate(self.heads):
                 shift = k + 1
                 valid = batch.same_doc(shift)  # (B, T): t and t+k+1 in one document
@@ -244,7 +245,9 @@ def _torch_task():
                 kl = soft_cross_entropy(got, want)
                 loss = loss + self.decay ** k * kl.sum() / (B * T)
                 with torch.no_grad():
-                    numbers[f"top1_{k}"] = float((got.argmax(-1) == want.argmax(-1)).float().mean()) if len(want) else 0.0
+                    hit = (got.argmax(-1) == want.argmax(-1)).float()
+                    self.tally.append((float(hit.sum()), len(hit)))
+                    numbers[f"top1_{k}"] = float(hit.mean()) if len(want) else 0.0
             return loss, numbers
 
         def official_weights(self) -> Dict[str, np.ndarray]:
@@ -278,26 +281,21 @@ def accuracy_report(by_rank: np.ndarray, k: int = 5) -> List[str]:
             for d in range(by_rank.shape[0])]
 
 
-def measure_accuracy(task, target, data, cfg, batches: int = 8, width: int = 10, first_batch: int = 1_000_000):
+def measure_accuracy(task, batches, width: int = 10):
     """accuracy[d, i]: how often candidate i (rank i of head d) is the target's own argmax token at depth
-    d+1, measured teacher-forced on batches the training never used (batch indices from first_batch on)."""
+    d+1, measured teacher-forced on held-out batches (TargetBatch, on the fly or from the feature cache)."""
     import torch
 
-    from export.drafters.trainer import RowSampler, target_batch
-
-    rows = RowSampler(data, cfg)
     hits = np.zeros((len(task.heads), width))
     count = np.zeros(len(task.heads))
     with torch.no_grad():
-        for i in range(batches):
-            ids, doc = rows.batch(first_batch + i)
-            b = target_batch(target, ids, doc, task.taps)
+        for b in batches:
             h = b.taps["final_norm"]
             T = h.shape[1]
             for k, head in enumerate(task.heads):
                 valid = b.same_doc(k + 1)
                 want = b.logits[:, k + 1:][valid[:, :T - k - 1]].argmax(-1)  # (n,)
                 top = head(h)[valid].topk(width, -1).indices  # (n, width)
-                hits[k] += (top == want[:, None]).sum(0).numpy()
+                hits[k] += (top == want[:, None]).sum(0).cpu().numpy()
                 count[k] += len(want)
     return hits / np.maximum(count, 1)[:, None]

@@ -14,8 +14,14 @@ batch's rows, so a task never sees whether it runs alone or on N processes.
 Labels are the target's own predictions (its soft distribution), never the data's tokens: a drafter is
 judged by how often the target accepts it, so it learns the target, mistakes included.
 
-Batch i is a pure function of (seed, i), and a checkpoint holds the task, the optimiser and the step:
-`--resume` continues exactly where a run stopped. Checkpoints are written to a temporary file and renamed.
+Batch i is a pure function of (seed, i), and a checkpoint holds the task, the optimiser, the step and the held-out
+curve: `--resume` continues exactly where a run stopped. Checkpoints are written to a temporary file and renamed.
+
+Where batches come from: computed by the target at each step (`OnTheFly`), or read from the feature cache
+(export/drafters/features.py: the target's taps and top-k logits over a fixed set of rows, computed once). Every
+`eval_every` steps the task is evaluated on held-out batches (export/drafters/heldout.py: per-depth acceptance,
+expected tau, the curve in work/curve.json), and `until_plateau` stops when that tau stops rising. On a GPU
+(`device` cuda) the task runs under autocast (bf16, or fp16 with loss scaling) and torchrun uses NCCL.
 """
 from __future__ import annotations
 
@@ -32,6 +38,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from export.drafters.data import DOMAINS
+from export.drafters.heldout import evaluate, plateaued, write_curve
+from export.drafters.parallel import Dist
 
 
 @dataclass(frozen=True)
@@ -51,7 +59,12 @@ class TrainConfig:
     checkpoint_every_s: float = 60.0
     log_every: int = 10
     threads: int = 2
-
+    top_k: int = 0  # > 0: the target's distribution truncated to its top-k logits (what the feature cache keeps)
+    eval_every: int = 0  # held-out evaluation every this many steps (0: only at the end, when held-out rows exist)
+    until_plateau: bool = False  # stop when held-out expected tau stops rising (see `plateaued`); constant LR
+    patience: int = 3  # ... for this many evaluations in a row
+    min_gain: float = 0.005  # ... by more than this fraction of the best tau so far
+    device: str = "cpu"  # "cpu" | "cuda" (resolved; see resolve_device)
 
 @dataclass
 class TargetBatch:
@@ -68,7 +81,7 @@ class TargetBatch:
     def same_doc(self, shift: int) -> torch.Tensor:
         """(B, T) bool: position t and position t + shift exist and lie in one document (False past the end)."""
         B, T = self.doc.shape
-        ok = torch.zeros(B, T, dtype=torch.bool)
+        ok = torch.zeros(B, T, dtype=torch.bool, device=self.doc.device)
         if shift < T:
             a, b = self.doc[:, :T - shift], self.doc[:, shift:]
             ok[:, :T - shift] = (a == b) & (a >= 0)
@@ -82,7 +95,9 @@ class DrafterTask(nn.Module):
 
     def forward(self, batch: TargetBatch) -> Tuple[torch.Tensor, Dict[str, float]]:
         """-> (scalar loss, {name: number} to print). For data parallelism to average exactly, normalise the
-        loss by the batch's number of positions (B*T), not by a count that differs between processes."""
+        loss by the batch's number of positions (B*T), not by a count that differs between processes.
+        It also sets `self.tally` = [(hits, count)] per draft depth (1, 2, ...): how often the drafter's top
+        token at that depth is the target's own (teacher-forced: the path above it right), for evaluation."""
         raise NotImplementedError
 
     def export(self, out_dir: str) -> List[str]:
@@ -93,8 +108,9 @@ class DrafterTask(nn.Module):
 def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
     """(n, V), (n, V) -> (n,) KL(p_target || q) per row: what a drafter minimises to match the target."""
     logq = F.log_softmax(logits.float(), -1)
-    logp = F.log_softmax(target_logits.float(), -1)
-    return (logp.exp() * (logp - logq)).sum(-1)
+    p = F.softmax(target_logits.float(), -1)
+    # xlogy: 0 * log 0 = 0 where a top-k target leaves tokens out (their logits are -inf)
+    return (torch.xlogy(p, p) - p * logq).sum(-1)
 
 
 # ---- data ---------------------------------------------------------------------------------------------------------
@@ -103,10 +119,13 @@ class RowSampler:
     """Packs examples into full rows of seq_len tokens (the last example cut at the row's end); batch i is a
     pure function of (seed, i), so every process and every resumed run sees the same batch i."""
 
-    def __init__(self, data: Dict[str, list], cfg: TrainConfig):
-        names = [d for d in DOMAINS if data.get(f"{d}_train")]
-        self.pools = [data[f"{d}_train"] for d in names]
-        mix = np.array([cfg.token_mix[DOMAINS.index(d)] for d in names])
+    def __init__(self, data: Dict[str, list], cfg: TrainConfig, split: str = "train"):
+        names = [k[:-len(split) - 1] for k in sorted(data) if k.endswith("_" + split) and len(data[k])]
+        if not names:
+            raise ValueError(f"no {split} examples in the data ({sorted(data)})")
+        self.pools = [data[f"{d}_{split}"] for d in names]
+        # the zoo's domains in their token mix; any other pool (a --data file) by its size
+        mix = np.array([cfg.token_mix[DOMAINS.index(d)] if d in DOMAINS else 1.0 for d in names])
         w = mix / np.array([np.mean([len(x) for x in p]) for p in self.pools])  # example odds giving the token mix
         self.p = w / w.sum()
         self.cfg = cfg
@@ -134,66 +153,91 @@ def packed_layout(doc: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     B, T = doc.shape
     d = doc.clone()
     d[d < 0] = 10_000
-    mask = ((d[:, :, None] == d[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril())[:, None]
+    mask = ((d[:, :, None] == d[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=d.device).tril())[:, None]
     start = torch.ones_like(d, dtype=torch.bool)
     start[:, 1:] = d[:, 1:] != d[:, :-1]
-    idx = torch.arange(T).expand(B, T)
+    idx = torch.arange(T, device=d.device).expand(B, T)
     first = torch.cummax(torch.where(start, idx, torch.zeros_like(idx)), dim=1).values
     return idx - first, mask
 
 
 @torch.no_grad()
-def target_batch(target, ids: torch.Tensor, doc: torch.Tensor, taps: Sequence[str]) -> TargetBatch:
-    """Run the frozen zoo target (export.zoo.model.LlamaLM) on packed rows, keeping the requested taps."""
-    from export.zoo.model import rope_cos_sin
-
+def target_batch(target, ids: torch.Tensor, doc: torch.Tensor, taps: Sequence[str], top_k: int = 0) -> TargetBatch:
+    """Run the frozen target (export.drafters.target.TargetLM, or the zoo's LlamaLM) on packed rows on its
+    device, keeping the requested taps (float32). top_k > 0: logits outside each position's top k are -inf."""
+    device = target.embed_tokens.weight.device
+    ids, doc = ids.to(device), doc.to(device)
     positions, mask = packed_layout(doc)
-    cos, sin = rope_cos_sin(target.cfg, positions)
+    if hasattr(target, "rope"):
+        cos, sin = target.rope(positions)
+    else:
+        from export.zoo.model import rope_cos_sin
+
+        cos, sin = rope_cos_sin(target.cfg, positions)
+    dtype = target.embed_tokens.weight.dtype
+    cos, sin = cos.to(dtype), sin.to(dtype)
     got: Dict[str, torch.Tensor] = {}
-    # float32: on CPUs without native bf16 an autocast forward measured 5x slower (14.6 s vs 2.3 s a batch)
+    # float32 on CPU: on CPUs without native bf16 an autocast forward measured 5x slower (14.6 s vs 2.3 s a batch)
     x = target.embed_tokens(ids)
     for i, layer in enumerate(target.layers):
         if f"layer_in.{i}" in taps:
-            got[f"layer_in.{i}"] = x
+            got[f"layer_in.{i}"] = x.float()
         x = layer(x, cos, sin, mask)
         if f"layer_out.{i}" in taps:
-            got[f"layer_out.{i}"] = x
+            got[f"layer_out.{i}"] = x.float()
     h = target.norm(x)
-    logits = target.head(h)
+    logits = target.head(h).float()
+    if top_k:
+        logits = keep_top_k(logits, top_k)
     if "final_norm" in taps:
         got["final_norm"] = h.float()
-    head = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
-    return TargetBatch(ids, positions, mask, doc, logits.float(), got, target.embed_tokens.weight, head)
+    return TargetBatch(ids, positions, mask, doc, logits, got, *frozen_embed_head(target))
+
+
+def frozen_embed_head(target) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The target's embedding and LM head (the embedding when tied) in float32, converted once per target (a bf16
+    GPU target's 150k x 4096 matrices are not copied at every step)."""
+    if getattr(target, "_f32_embed_head", None) is None:
+        embed = target.embed_tokens.weight
+        head = embed if target.lm_head is None else target.lm_head.weight
+        target._f32_embed_head = (embed.detach().float(), head.detach().float())
+    return target._f32_embed_head
+
+
+def keep_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """(..., V) -> the same logits where they are among the row's k largest, -inf elsewhere."""
+    vals, idx = logits.topk(min(k, logits.shape[-1]), -1)
+    return torch.full_like(logits, float("-inf")).scatter_(-1, idx, vals)
+
+
+class LazyBatches:
+    """n batches made one at a time when iterated (batch i = make(i)): a held-out set of big-vocabulary (B, T, V)
+    logits is never all in memory at once."""
+
+    def __init__(self, make: Callable[[int], TargetBatch], n: int):
+        self.make, self.n = make, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        return (self.make(i) for i in range(self.n))
+
+
+class OnTheFly:
+    """Training batches computed by the target at each step: batch i = the target on RowSampler batch i."""
+
+    def __init__(self, data: Dict[str, list], cfg: TrainConfig, target, taps: Sequence[str], split: str = "train",
+                 first: int = 0):
+        self.rows, self.target, self.taps, self.top_k, self.first = RowSampler(data, cfg, split), target, taps, \
+            cfg.top_k, first
+
+    def batch(self, i: int, mine: slice = slice(None)) -> TargetBatch:
+        ids, doc = self.rows.batch(self.first + i)
+        return target_batch(self.target, ids[mine], doc[mine], self.taps, self.top_k)
 
 
 # ---- the loop -----------------------------------------------------------------------------------------------------
-
-@dataclass
-class Dist:
-    """This process's place in a torchrun job (world 1 when run plainly)."""
-    rank: int = 0
-    world: int = 1
-
-    @classmethod
-    def from_env(cls) -> "Dist":
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world <= 1:
-            return cls()
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            dist.init_process_group("gloo")
-        return cls(dist.get_rank(), world)
-
-    def mean(self, value: float) -> float:
-        if self.world == 1:
-            return value
-        import torch.distributed as dist
-
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t)
-        return float(t.item()) / self.world
-
 
 def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
     """Linear warmup over `warmup` steps, then cosine from peak to peak/10 as progress goes 0 -> 1."""
@@ -236,20 +280,29 @@ class TrainResult:
     seconds: float
     losses: List[float] = field(default_factory=list)  # loss of every step run by this call (all processes' mean)
     last: Dict[str, float] = field(default_factory=dict)  # the last progress numbers
+    curve: List[Dict[str, object]] = field(default_factory=list)  # held-out evaluations of the whole run
+    stopped: str = ""  # why it stopped: "steps", "budget", "plateau" or "paused"
 
 
-def train(task: DrafterTask, target, data: Dict[str, list], cfg: TrainConfig, work: str, resume: bool = False,
-          log: Callable[[str], None] = print, pause_at: Optional[int] = None) -> TrainResult:
-    """Distil `task` from the frozen `target` until cfg.steps or cfg.budget_s; checkpoints in work/ckpt.pt.
+def train(task: DrafterTask, target, data: Optional[Dict[str, list]], cfg: TrainConfig, work: str,
+          resume: bool = False, log: Callable[[str], None] = print, pause_at: Optional[int] = None,
+          source=None, heldout: Sequence[TargetBatch] = ()) -> TrainResult:
+    """Distil `task` from the frozen `target` until cfg.steps, cfg.budget_s or (cfg.until_plateau) a plateau of
+    held-out tau; checkpoints in work/ckpt.pt, the held-out curve in work/curve.json. `source`: where batch i
+    comes from (`batch(i, rows)`; default: computed on the fly from `data`; see export/drafters/features.py for
+    the cache); `heldout`: the batches evaluated every cfg.eval_every steps and at the end.
     `pause_at`: stop after that step as an interrupted run would (checkpoint written, schedule unchanged)."""
-    dist = Dist.from_env()
+    dist = Dist.from_env(cfg.device)
     if cfg.batch % dist.world:
         raise ValueError(f"batch {cfg.batch} rows cannot be split evenly over {dist.world} processes")
+    if cfg.until_plateau and not heldout:
+        raise ValueError("until_plateau needs held-out batches to judge the plateau by")
     torch.set_num_threads(max(1, cfg.threads // dist.world))
     say = log if dist.rank == 0 else (lambda _msg: None)
     target.eval()
     for p in target.parameters():
         p.requires_grad_(False)
+    task.to(dist.device)
     model = task
     if dist.world > 1:
         from torch.nn.parallel import DistributedDataParallel
@@ -257,77 +310,96 @@ def train(task: DrafterTask, target, data: Dict[str, list], cfg: TrainConfig, wo
         model = DistributedDataParallel(task)
     params = [p for p in task.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    gpu = dist.device.startswith("cuda")
+    amp = (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16) if gpu else None
+    scaler = torch.amp.GradScaler("cuda", enabled=amp == torch.float16)  # fp16 needs loss scaling; bf16 not
     ckpt = os.path.join(work, "ckpt.pt")
     os.makedirs(work, exist_ok=True)
-    start, elapsed = 0, 0.0
+    start, elapsed, curve = 0, 0.0, []
     if resume and os.path.exists(ckpt):
-        st = torch.load(ckpt, weights_only=True)  # our own file; plain tensors and numbers only
+        st = torch.load(ckpt, weights_only=True, map_location=dist.device)  # our own file; plain tensors and numbers
         if st.get("kind") != task.kind or _same_run(st.get("config")) != _same_run(_plain(cfg)):
             raise ValueError(f"{ckpt}: a checkpoint of another run ({st.get('kind')}, {st.get('config')}); "
                              "resume with the same settings or start afresh without --resume")
         task.load_state_dict(st["task"])
         opt.load_state_dict(st["opt"])
         start, elapsed = int(st["step"]), float(st["elapsed"])
+        curve = json.loads(st.get("curve", "[]"))
         say(f"{task.kind}: resumed at step {start} ({elapsed / 60:.1f} min already trained)")
-    rows = RowSampler(data, cfg)
+    source = source or OnTheFly(data, cfg, target, task.taps)
     mine = slice(dist.rank, cfg.batch, dist.world)
-    result = TrainResult(start, elapsed)
+    result = TrainResult(start, elapsed, curve=curve)
     task.train()
     t0, t_ckpt, tokens = time.time(), time.time(), 0
     step = start
-    finished = step >= cfg.steps or elapsed >= cfg.budget_s
-    while not finished:
-        progress = max(step / cfg.steps, (elapsed + time.time() - t0) / cfg.budget_s)
+    stop = "steps" if step >= cfg.steps else "budget" if elapsed >= cfg.budget_s else ""
+    if not stop and cfg.until_plateau and plateaued([c["tau"] for c in curve], cfg.patience, cfg.min_gain):
+        stop = "plateau"
+    while not stop:
+        progress = 0.0 if cfg.until_plateau else max(step / cfg.steps, (elapsed + time.time() - t0) / cfg.budget_s)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, progress, cfg.lr, cfg.warmup)
-        ids, doc = rows.batch(step)
-        batch = target_batch(target, ids[mine], doc[mine], task.taps)
-        loss, numbers = model(batch)
+        batch = source.batch(step, mine)
+        with torch.autocast("cuda", dtype=amp, enabled=amp is not None):
+            loss, numbers = model(batch)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        tokens += int((doc >= 0).sum())
+        scaler.step(opt)
+        scaler.update()
+        tokens += int((batch.doc >= 0).sum()) * dist.world
         step += 1
         now = time.time()
-        # the stop decision must be the same in every process: rank 0's clock decides
         spent = elapsed + now - t0
-        finished = step >= cfg.steps or _agree(dist, spent >= cfg.budget_s)
-        paused = pause_at is not None and step >= pause_at
         mean_loss = dist.mean(float(loss.item()))
         result.losses.append(mean_loss)
-        if step % cfg.log_every == 0 or finished or step == start + 1:
+        final = step >= cfg.steps or spent >= cfg.budget_s
+        if heldout and ((cfg.eval_every and step % cfg.eval_every == 0) or final):
+            with torch.autocast("cuda", dtype=amp, enabled=amp is not None):
+                point = {"step": step, "seconds": round(spent, 1), "train_loss": round(mean_loss, 5),
+                         **evaluate(task, heldout)}
+            curve.append(point)
+            say(f"{task.kind} held-out at step {step}: loss {point['loss']:.4f} acceptance per depth "
+                + " ".join(f"{a:.3f}" for a in point["per_depth"]) + f" -> expected tau {point['tau']:.3f}")
+            if dist.rank == 0:
+                write_curve(os.path.join(work, "curve.json"), task.kind, cfg, curve)
+        # the stop decision must be the same in every process: rank 0's clock and curve decide
+        stop = "steps" if step >= cfg.steps else ""
+        if not stop and dist.agree(spent >= cfg.budget_s):
+            stop = "budget"
+        if not stop and cfg.until_plateau and dist.agree(plateaued([c["tau"] for c in curve], cfg.patience,
+                                                                    cfg.min_gain)):
+            stop = "plateau"
+        paused = pause_at is not None and step >= pause_at
+        if step % cfg.log_every == 0 or stop or step == start + 1:
             numbers = {k: dist.mean(v) for k, v in numbers.items()}
             result.last = {"loss": mean_loss, **numbers}
             eta = min((now - t0) / (step - start) * (cfg.steps - step), cfg.budget_s - spent)
             say(f"{task.kind} step {step}/{cfg.steps} loss {mean_loss:.4f} "
                 + " ".join(f"{k} {v:.3f}" for k, v in numbers.items())
                 + f" lr {opt.param_groups[0]['lr']:.2e} {tokens / (now - t0):.0f} tok/s "
-                  f"elapsed {spent / 60:.1f} min ETA {max(eta, 0) / 60:.1f} min")
-        if dist.rank == 0 and (now - t_ckpt > cfg.checkpoint_every_s or finished or paused):
+                  f"elapsed {spent / 60:.1f} min" + ("" if cfg.until_plateau else f" ETA {max(eta, 0) / 60:.1f} min"))
+        if hasattr(source, "epoch_done"):
+            source.epoch_done(step, now - t0, say)
+        if dist.rank == 0 and (now - t_ckpt > cfg.checkpoint_every_s or stop or paused):
             save_checkpoint(ckpt, kind=task.kind, config=_plain(cfg), task=task.state_dict(), opt=opt.state_dict(),
-                            step=step, elapsed=spent)
+                            step=step, elapsed=spent, curve=json.dumps(curve))
             t_ckpt = now
         if paused:
-            break
-    result.steps, result.seconds = step, elapsed + time.time() - t0
+            stop = "paused"
+    if stop == "plateau":
+        say(f"{task.kind}: held-out tau stopped rising (no gain over {cfg.min_gain:.1%} of the best in "
+            f"{cfg.patience} evaluations): stopping at step {step}")
+    result.steps, result.seconds, result.stopped = step, elapsed + time.time() - t0, stop
     task.eval()
     return result
 
 
-def _agree(dist: Dist, flag: bool) -> bool:
-    if dist.world == 1:
-        return flag
-    import torch.distributed as tdist
-
-    t = torch.tensor([1 if flag else 0])
-    tdist.broadcast(t, 0)
-    return bool(t.item())
-
-
 def _same_run(config) -> Dict[str, object]:
     """What must match to resume: everything but the stopping point and the bookkeeping."""
-    skip = ("steps", "budget_s", "checkpoint_every_s", "log_every", "threads")
+    skip = ("steps", "budget_s", "checkpoint_every_s", "log_every", "threads", "device", "eval_every", "patience",
+            "min_gain")
     return {k: v for k, v in (config or {}).items() if k not in skip}
 
 

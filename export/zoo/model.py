@@ -64,7 +64,8 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(cfg: LlamaConfig, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """positions (B, T) int -> cos, sin (B, 1, T, head_dim), HF default rope layout (freqs duplicated)."""
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device=positions.device)
+                                     / cfg.head_dim))
     freqs = positions.float()[..., None] * inv  # (B, T, d/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (B, T, d)
     return emb.cos()[:, None], emb.sin()[:, None]

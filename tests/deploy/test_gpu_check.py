@@ -42,6 +42,8 @@ def test_the_plan_runs_the_cuda_provider_and_names_what_is_missing_for_the_rest(
     cpu_only = {**HAS, "ort_providers": ["CPUExecutionProvider"]}
     assert "onnxruntime-gpu is not installed" in dict(((b, c), w) for c, b, w in gpu_check.plan(cpu_only))[
         ("onnx CUDA EP", "greedy identity + bench")]
+    assert "sees no CUDA device" in rows[("torch CUDA", "train-drafter, feature cache")]
+    assert gpu_check.plan({**HAS, "torch_cuda": True})[-1] == ("train-drafter, feature cache", "torch CUDA", None)
     with_trt = {**HAS, "tensorrt": "10.3.0", "cuda-python": "yes"}
     assert all(why is None for check, backend, why in gpu_check.plan(with_trt) if backend == "tensorrt")
 
@@ -50,7 +52,7 @@ def test_every_command_the_check_runs_parses_and_its_configs_exist():
     out = script("--dry-run")
     assert out.returncode == 0, out.stderr
     cmds = [line.split("$ edgespec ", 1)[1] for line in out.stdout.splitlines() if "$ edgespec " in line]
-    assert len(cmds) == 6 and cmds == [" ".join(c) for c in gpu_check.commands("WORK/zoo")]
+    assert len(cmds) == 7 and cmds == [" ".join(c) for c in gpu_check.commands("WORK/zoo")]
     parser = build_parser()
     for cmd in cmds:
         words = shlex.split(cmd)
