@@ -89,7 +89,7 @@ def problems(files: List[str]) -> List[Tuple[str, str]]:
     return found
 
 
-COMMANDS = ("generate", "certify", "bench", "memory", "bundle", "export", "zoo", "train-drafter")
+COMMANDS = ("generate", "certify", "bench", "memory", "bundle", "export", "zoo", "train-drafter", "tune")
 
 
 def edgespec_commands(text: str) -> Iterator[str]:
