@@ -3,6 +3,7 @@ target into the memory-bound stand-in, or measure plan validity with and without
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -44,9 +45,29 @@ def _standin(args) -> int:
 
     zoo = args.zoo or DEFAULT_OUT
     t0 = time.perf_counter()
-    params = write_standin(os.path.join(zoo, "target"), args.out, args.hidden, args.intermediate, args.kv_heads)
+    if args.robot:  # a robot model's proportions (BENCHMARKS.md, "The stand-in"): deep, ~0.5 GB fp32, a 7 % draft
+        args.depth = args.depth or 24
+        args.hidden, args.intermediate, args.kv_heads = 512, 3072, 8
+        args.draft_hidden = args.draft_hidden or 384
+        args.draft_intermediate = args.draft_intermediate or 3328
+    params = write_standin(os.path.join(zoo, "target"), args.out, args.hidden, args.intermediate, args.kv_heads,
+                           args.depth)
     print(f"standin: {args.out}: {params / 1e6:.1f} M params ({4 * params / 1e6:.0f} MB fp32), "
           f"written in {time.perf_counter() - t0:.1f} s")
+    layers = None
+    if args.depth:
+        from export.zoo.standin import layer_map
+
+        with open(os.path.join(zoo, "target", "config.json")) as f:
+            layers = (layer_map(json.load(f)["num_hidden_layers"], args.depth), args.depth)
+    draft = os.path.join(zoo, "draft")
+    if args.draft_hidden:  # the draft model padded too, to a real draft's share of the target's bytes
+        draft_out = os.path.join(args.out, "draft")
+        d_params = write_standin(draft, draft_out, args.draft_hidden, args.draft_intermediate or 4 * args.draft_hidden,
+                                 args.draft_kv_heads, heads=False)
+        draft = draft_out
+        print(f"standin: draft {draft_out}: {d_params / 1e6:.1f} M params, {100 * d_params / params:.1f} % of the "
+              "target's")
     if args.bundle:
         from export.bundle.builder import build_bundle
         from export.onnx.bundle import add_onnx_to_bundle
@@ -55,14 +76,14 @@ def _standin(args) -> int:
         name = name if "standin" in name else name + "-standin"  # `edgespec bench` labels rows by this name
 
         def add_onnx(staged: str) -> None:
-            add_standin_eagle_heads(zoo, args.out, staged, args.hidden, args.intermediate, args.kv_heads)
-            add_standin_dflash(zoo, args.out, staged, args.hidden, args.intermediate, args.kv_heads)
+            add_standin_eagle_heads(zoo, args.out, staged, args.hidden, args.intermediate, args.kv_heads, layers)
+            add_standin_dflash(zoo, args.out, staged, args.hidden, args.intermediate, args.kv_heads, layers)
             if not args.no_onnx:
                 files = add_onnx_to_bundle(staged, "fp32", None, validate=True)
                 print(f"standin: added {', '.join(files)} ({time.perf_counter() - t0:.0f} s)")
 
         medusa = os.path.join(args.out, "medusa")  # the zoo's Medusa heads, widened by write_standin
-        build_bundle(args.out, args.bundle, os.path.join(zoo, "draft"), name=name, force=args.force,
+        build_bundle(args.out, args.bundle, draft, name=name, force=args.force,
                      extend=add_onnx, medusa=medusa if os.path.isdir(medusa) else None)
         print(f"standin: bundle {args.bundle} (name {name}) ready in {time.perf_counter() - t0:.0f} s")
     return 0
@@ -116,6 +137,15 @@ def register(sub) -> None:
     s.add_argument("--hidden", type=int, default=1024, help="new hidden size, a multiple of head_dim (default 1024)")
     s.add_argument("--intermediate", type=int, default=4096, help="new SwiGLU intermediate size (default 4096)")
     s.add_argument("--kv-heads", type=int, default=8, help="new KV heads; query heads are hidden / head_dim (default 8)")
+    s.add_argument("--depth", type=int, default=None,
+                   help="layers of the stand-in (>= the zoo's 8): the zoo's layers spread evenly, zero-contribution "
+                        "layers between, drafter taps renamed to land on the real ones (default: the zoo's depth)")
+    s.add_argument("--draft-hidden", type=int, default=None, help="pad the zoo draft model to this hidden size too")
+    s.add_argument("--draft-intermediate", type=int, default=None, help="... and this SwiGLU size (default 4 x hidden)")
+    s.add_argument("--draft-kv-heads", type=int, default=6, help="... and these KV heads (default 6)")
+    s.add_argument("--robot", action="store_true",
+                   help="a robot model's proportions: depth 24, hidden 512, SwiGLU 3072, 8 KV heads (~134 M params, "
+                        "0.54 GB fp32) and the draft model padded to hidden 384 / SwiGLU 3328 (~7 % of the target)")
     s.add_argument("--bundle", default=None, help="also build a bundle here from --out and the zoo draft")
     s.add_argument("--no-onnx", action="store_true", help="with --bundle: numpy_ref only, no ONNX graphs")
     s.add_argument("--force", action="store_true", help="replace the edgespec bundle already at --bundle")

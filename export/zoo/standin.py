@@ -28,14 +28,24 @@ weight traffic. Every padded weight is zero, so the arithmetic is the original's
                        hidden_projection [R, H] -> [R, H'], codebooks [V, R] unchanged; the rest as the target's
 
 Worked example (H 256 -> 1024, 8 q / 4 KV heads -> 32 / 8, g = 2, new group size 4): original query head 5
-(KV head 2) becomes query head 4 * 2 + 1 = 9, which reads KV head 9 // 4 = 2."""
+(KV head 2) becomes query head 4 * 2 + 1 = 9, which reads KV head 9 // 4 = 2.
+
+Deeper (`deepen`, `edgespec zoo standin --depth D`): a robot's target has 28-36 layers, so one drafter layer
+costs ~1/30 of a step, not the zoo's 1/8. The N original layers keep their order at depths layer_map(N, D)
+(evenly spread: 8 in 24 -> 0, 3, 6, ..., 21) and every other layer is a zero-contribution layer: all its
+projections zero, so attention and MLP add exact zeros and the residual stream passes it unchanged. So the
+hidden state entering stand-in layer layer_map[k] is the one entering zoo layer k, and the output of stand-in
+layer layer_map[k] is zoo layer k's output: EAGLE-3's taps (inputs of layers) and DFlash's target_layer_ids
+(outputs of layers) are renamed through the map and land on real layers. MTP modules move from
+model.layers.{N+i} to model.layers.{D+i}."""
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import shutil
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -124,6 +134,66 @@ def widen(weights: Dict[str, np.ndarray], config: dict, hidden: int, intermediat
                                                 "num_attention_heads": nh, "num_key_value_heads": nkv},
                                "note": "zero-contribution padding: predicts what the original predicts"}
     return out, cfg
+
+
+def layer_map(n: int, depth: int) -> list:
+    """Stand-in depth of each original layer, evenly spread, the first at 0.
+
+    >>> layer_map(8, 24)
+    [0, 3, 6, 9, 12, 15, 18, 21]
+    >>> layer_map(8, 8)
+    [0, 1, 2, 3, 4, 5, 6, 7]"""
+    if depth < n:
+        raise ConfigError(f"--depth: got {depth}, expected >= the model's {n} layers")
+    return [i * depth // n for i in range(n)]
+
+
+LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+
+
+def deepen(weights: Dict[str, np.ndarray], config: dict, depth: int) -> Tuple[Dict[str, np.ndarray], dict]:
+    """(weights, config) with the N layers at layer_map(N, depth) and zero-contribution layers between (see the
+    module docstring); MTP modules (model.layers.{N+i}) move to model.layers.{depth+i}."""
+    n = config["num_hidden_layers"]
+    where = layer_map(n, depth)
+    out, template = {}, {}
+    for name, w in weights.items():
+        m = LAYER_KEY.match(name)
+        if m is None:
+            out[name] = w
+            continue
+        i, rest = int(m.group(1)), m.group(2)
+        out[f"model.layers.{where[i] if i < n else depth + i - n}.{rest}"] = w
+        if i == 0:
+            template[rest] = w
+    for j in sorted(set(range(depth)) - set(where)):
+        for rest, w in template.items():  # norms 1, projections 0: the layer adds exact zeros
+            out[f"model.layers.{j}.{rest}"] = (np.ones_like(w) if rest.endswith(NORM_SUFFIXES) else np.zeros_like(w))
+    cfg = dict(config, num_hidden_layers=depth)
+    cfg["edgespec_standin"] = dict(config.get("edgespec_standin") or {}, layer_map=where,
+                                   deepened_from={"num_hidden_layers": n})
+    return out, cfg
+
+
+def remap_taps(config: dict, where: list, depth: int, eagle3: bool = False) -> dict:
+    """A drafter's config with its target layer numbers renamed through the stand-in's layer map: EAGLE-3's
+    eagle_aux_hidden_state_layer_ids (default 2, N//2, N-3 of the ORIGINAL depth) and DFlash's
+    dflash_config.target_layer_ids / num_target_layers."""
+    from export.drafters.dflash import default_target_layer_ids
+    from export.drafters.eagle import default_tap_layers
+
+    cfg = json.loads(json.dumps(config))
+    n = len(where)
+    if eagle3:
+        layers = cfg.get("eagle_aux_hidden_state_layer_ids") or default_tap_layers(n)
+        cfg["eagle_aux_hidden_state_layer_ids"] = [where[i] for i in layers]
+    inner = cfg.get("dflash_config")
+    if isinstance(inner, dict):
+        ids = inner.get("target_layer_ids") or default_target_layer_ids(int(cfg.get("num_target_layers", n)),
+                                                                        int(cfg["num_hidden_layers"]))
+        inner["target_layer_ids"] = [where[i] for i in ids]
+        cfg["num_target_layers"] = depth
+    return cfg
 
 
 def widen_medusa(weights: Dict[str, np.ndarray], hidden: int) -> Dict[str, np.ndarray]:
@@ -226,7 +296,8 @@ def widen_dflash(weights: Dict[str, np.ndarray], config: dict, hidden: int, inte
     return dict(widened, **own), cfg
 
 
-def write_standin_dflash(src: str, out: str, hidden: int = 1024, intermediate: int = 4096, kv_heads: int = 8) -> str:
+def write_standin_dflash(src: str, out: str, hidden: int = 1024, intermediate: int = 4096, kv_heads: int = 8,
+                         layers: Optional[Tuple[list, int]] = None) -> str:
     """The widened DFlash drafter of checkpoint dir `src` at `out` (config.json, model.safetensors): fp16 if it
     was and the norm scale sqrt(H/H') is a power of two (1/2 for the zoo's 256 -> 1024: exact), else float32
     (an fp16 norm weight x 0.816 would round by ~1e-3 and move the draft logits by as much)."""
@@ -236,6 +307,8 @@ def write_standin_dflash(src: str, out: str, hidden: int = 1024, intermediate: i
         config = json.load(f)
     raw = read_weights(src)
     weights, cfg = widen_dflash(raw, config, hidden, intermediate, kv_heads)
+    if layers is not None:  # a deepened target: target_layer_ids renamed through the layer map
+        cfg = remap_taps(cfg, layers[0], layers[1])
     exact = math.log2(hidden / config["hidden_size"]) % 2 == 0  # H'/H a power of 4
     keep = np.float16 if exact and {str(v.dtype) for v in raw.values()} == {"float16"} else np.float32
     cfg["torch_dtype"] = "float16" if keep is np.float16 else "float32"
@@ -247,7 +320,8 @@ def write_standin_dflash(src: str, out: str, hidden: int = 1024, intermediate: i
     return out
 
 
-def add_standin_dflash(zoo: str, out: str, bundle_dir: str, hidden: int, intermediate: int, kv_heads: int) -> list:
+def add_standin_dflash(zoo: str, out: str, bundle_dir: str, hidden: int, intermediate: int, kv_heads: int,
+                       layers: Optional[Tuple[list, int]] = None) -> list:
     """Pad the zoo's DFlash drafters (zoo/dflash, zoo/dflash2, where present) into `out` and add them to the
     stand-in bundle under the zoo bundle's drafter names (dflash, dflash_b8, dflash2, dflash2_b8)."""
     from export.drafters.dflash import add_dflash_drafter
@@ -259,18 +333,22 @@ def add_standin_dflash(zoo: str, out: str, bundle_dir: str, hidden: int, interme
     writer = BundleWriter.extend(bundle_dir)  # one manifest write (it checksums the whole bundle)
     spec, before = load_bundle(bundle_dir, verify_checksums=False).target.spec, set(writer.manifest["drafters"])
     for src in srcs:
-        head = write_standin_dflash(os.path.join(zoo, src), os.path.join(out, src), hidden, intermediate, kv_heads)
+        head = write_standin_dflash(os.path.join(zoo, src), os.path.join(out, src), hidden, intermediate, kv_heads,
+                                    layers)
         add_dflash_drafter(writer, head, spec)
     writer.write()
     added = [n for n in writer.manifest["drafters"] if n not in before]
     return added
 
 
-def write_standin(src: str, out: str, hidden: int = 1024, intermediate: int = 4096, kv_heads: int = 8) -> int:
-    """Write the widened HF checkpoint of `src` (config.json, model.safetensors fp32, tokenizer.json) to `out`.
-    Returns its parameter count."""
+def write_standin(src: str, out: str, hidden: int = 1024, intermediate: int = 4096, kv_heads: int = 8,
+                  depth: Optional[int] = None, heads: bool = True) -> int:
+    """Write the widened (and, with `depth`, deepened) HF checkpoint of `src` (config.json, model.safetensors fp32,
+    tokenizer.json) to `out`, and with `heads` the zoo's Medusa heads beside it. Returns its parameter count."""
     ckpt = read_hf_checkpoint(src)
     weights, cfg = widen(ckpt.weights, ckpt.config, hidden, intermediate, kv_heads)
+    if depth is not None:
+        weights, cfg = deepen(weights, cfg, depth)
     os.makedirs(out, exist_ok=True)
     write_safetensors(os.path.join(out, "model.safetensors"), weights, metadata={"format": "pt"})
     with open(os.path.join(out, "config.json"), "w") as f:
@@ -278,12 +356,13 @@ def write_standin(src: str, out: str, hidden: int = 1024, intermediate: int = 40
     if ckpt.tokenizer_file:
         shutil.copyfile(ckpt.tokenizer_file, os.path.join(out, "tokenizer.json"))
     medusa = os.path.join(os.path.dirname(os.path.abspath(src)), "medusa")
-    if os.path.isfile(os.path.join(medusa, "medusa_lm_head.safetensors")):  # the zoo's heads, widened beside it
+    if heads and os.path.isfile(os.path.join(medusa, "medusa_lm_head.safetensors")):  # the zoo's heads, widened beside it
         write_standin_medusa(medusa, os.path.join(out, "medusa"), hidden)
     return sum(w.size for w in weights.values())
 
 
-def write_standin_eagle(src: str, out: str, hidden: int = 1024, intermediate: int = 4096, kv_heads: int = 8) -> str:
+def write_standin_eagle(src: str, out: str, hidden: int = 1024, intermediate: int = 4096, kv_heads: int = 8,
+                        layers: Optional[Tuple[list, int]] = None) -> str:
     """The widened EAGLE head of checkpoint dir `src` (config.json, model.safetensors) at `out`, in the head's
     own float dtype (the padding is exact: zeros, and norm weights x sqrt(H/H'), a power of two here)."""
     from export.bundle.hf_reader import read_weights
@@ -292,6 +371,8 @@ def write_standin_eagle(src: str, out: str, hidden: int = 1024, intermediate: in
         config = json.load(f)
     raw = read_weights(src)
     weights, cfg = widen_eagle(raw, config, hidden, intermediate, kv_heads)
+    if layers is not None:  # a deepened target: its taps renamed through the layer map
+        cfg = remap_taps(cfg, layers[0], layers[1], eagle3=raw["fc.weight"].shape[1] == 3 * config["hidden_size"])
     dtype = {str(v.dtype) for k, v in raw.items() if v.dtype.kind == "f"}
     cfg["torch_dtype"] = "float16" if dtype == {"float16"} else "float32"
     keep = np.float16 if cfg["torch_dtype"] == "float16" else np.float32
@@ -303,7 +384,8 @@ def write_standin_eagle(src: str, out: str, hidden: int = 1024, intermediate: in
     return out
 
 
-def add_standin_eagle_heads(zoo: str, out: str, bundle_dir: str, hidden: int, intermediate: int, kv_heads: int) -> list:
+def add_standin_eagle_heads(zoo: str, out: str, bundle_dir: str, hidden: int, intermediate: int, kv_heads: int,
+                            layers: Optional[Tuple[list, int]] = None) -> list:
     """Pad the zoo's EAGLE heads (zoo/eagle1, zoo/eagle3, where present) into `out` and add them to the stand-in
     bundle under the zoo bundle's drafter names (eagle, eagle2, eagle3, eagle3_chain). Returns the names added."""
     from export.drafters.eagle import ZOO_TREE, add_eagle_to_bundle
@@ -312,6 +394,7 @@ def add_standin_eagle_heads(zoo: str, out: str, bundle_dir: str, hidden: int, in
     for src, kind, drafters in (("eagle1", "eagle", {"eagle": None, "eagle2": ZOO_TREE}),
                                 ("eagle3", "eagle3", {"eagle3": ZOO_TREE, "eagle3_chain": None})):
         if os.path.isfile(os.path.join(zoo, src, "model.safetensors")):
-            head = write_standin_eagle(os.path.join(zoo, src), os.path.join(out, src), hidden, intermediate, kv_heads)
+            head = write_standin_eagle(os.path.join(zoo, src), os.path.join(out, src), hidden, intermediate, kv_heads,
+                                       layers)
             added += add_eagle_to_bundle(bundle_dir, head, kind, drafters=drafters)
     return added
