@@ -31,6 +31,9 @@ class MemoryConfig:
                                                 "runtime/memory/plan.py plans it); the KV arena gets what is left; "
                                                 "0 = no budget, size the arena from max_context")
     max_context: int = limits(2048, min=16, max=1 << 20, doc="positions the KV cache holds per model")
+    prefill_chunk: int = limits(512, min=1, max=1 << 20,
+                                doc="tokens per prefill forward: a longer prompt runs as several forwards (exact), "
+                                    "so its scratch (activations, attention scores, logits) is one chunk's")
     prefix_cache: bool = limits(True, doc="keep the K/V rows of the prompt prefix a request shares with the previous "
                                           "one (exact: same tokens, same positions) and prefill only the rest")
 

@@ -327,7 +327,8 @@ class Session:
         verifier = (lossy_verifier(config.decoding.typical_epsilon, config.decoding.typical_delta)
                     if config.decoding.lossy_typical_acceptance else verify_sampled)
         self.engine = Engine(self.target, self.drafter, eos_ids(b, self.prompts, self.tokenizer),
-                             sampled_verifier=verifier, prefix_cache=config.memory.prefix_cache)
+                             sampled_verifier=verifier, prefix_cache=config.memory.prefix_cache,
+                             prefill_chunk=config.memory.prefill_chunk)
         self._actions: Optional[ActionTokenizer] = None
         self._grammar_tokenizer: Optional[GrammarTokenizer] = None
         self._grammars: Dict[tuple, Grammar] = {}  # compiled grammars by (kind, text), the most recent few

@@ -180,25 +180,6 @@ def test_a_past_padded_with_stale_rows_under_the_padded_mask_gives_the_unpadded_
     assert np.abs(leaked[0] - plain[0]).max() > 1e-2 * np.abs(plain[0]).max()
 
 
-def test_a_prompt_longer_than_the_prefill_profile_runs_as_causal_chunks_equal_to_one_forward(tiny_bundle):
-    """TensorRTTarget's chunking, driven through the numpy reference's forward (the same contract)."""
-    from runtime.backends.numpy_ref import NumpyTarget
-    from runtime.backends.tensorrt import TensorRTTarget
-
-    b = bundle_mod.load(tiny_bundle)
-    spec, weights = b.target.spec, read_safetensors(b.path(b.target.backends["numpy_ref"].files[0]))
-    shape = cache_shape(spec)
-    arena = KVArena.for_context({"a": shape, "b": shape}, 64)
-    one, chunked = (NumpyTarget(spec, weights, arena.allocate(n, shape, 64)) for n in ("a", "b"))
-    prompt = np.random.default_rng(0).integers(0, spec.vocab_size, 23)
-    ref = one.forward(prompt, np.arange(23), taps=("final_norm",))
-    got = TensorRTTarget._forward_chunked(chunked, prompt, np.arange(23), 8, ("final_norm",))
-    assert got.logits.shape == ref.logits.shape and chunked.cache_len == 23
-    np.testing.assert_allclose(got.logits, ref.logits, rtol=0, atol=1e-4 * np.abs(ref.logits).max())
-    np.testing.assert_allclose(got.taps["final_norm"], ref.taps["final_norm"], atol=1e-4)
-    np.testing.assert_allclose(chunked.cache.k[:23], one.cache.k[:23], atol=1e-5)
-
-
 # ---------------------------------------------------------------------------------------------- versions
 
 def test_the_l4t_release_is_read_from_nv_tegra_release():
