@@ -106,6 +106,8 @@ class Engine:
         self.sampled_verifier = sampled_verifier
         self.prefix_cache = prefix_cache
         self.prefill_chunk = prefill_chunk
+        if drafter is not None:  # its catch-up on a new prompt runs in the same chunks (Drafter.prefill_chunk)
+            drafter.prefill_chunk = prefill_chunk
         self._cached: List[int] = []  # the tokens of the target's cache rows 0 .. len-1, after the last request
         self._cached_by: Optional[TargetBackend] = None  # ... in this backend (certify swaps in a wrapper)
         self.prefix_hits = 0

@@ -12,7 +12,7 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
-from runtime.backends.base import TargetBackend
+from runtime.backends.base import TargetBackend, forward_in_chunks
 from runtime.drafters.base import DraftContext, Drafter, common_prefix_len
 from runtime.drafters.shared import pick_children
 from runtime.sampling import process_logits, sample
@@ -60,7 +60,9 @@ class DraftModelDrafter(Drafter):
         self.cached = self.cached[:keep]  # (set again below; right also if the forward fails)
         room = self.model.max_cache_len - len(context)  # rows left for drafted nodes
         depth = min(self.k, ctx.max_nodes // self.branching, 1 + room // self.branching)
-        logits = self._run(context[keep:], np.arange(keep, len(context)))[-1]
+        # (a new prompt: in chunks, like the target's prefill; after a cycle only the root and a token or two)
+        logits = forward_in_chunks(self.model, context[keep:], np.arange(keep, len(context)), (), self.prefill_chunk,
+                                   all_logits=False).logits[-1]
         self.cached = context
         self._base = len(context)
         self._node_rows = {}

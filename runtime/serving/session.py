@@ -22,7 +22,7 @@ from runtime.backends.numpy_ref import cache_shape
 from runtime.backends.onnx_net import OnnxNet
 from runtime.serving.blas import set_blas_threads
 from runtime.model.bundle import BackendFiles
-from runtime.config import BackendConfig, RuntimeConfig
+from runtime.config import BackendConfig, MemoryConfig, RuntimeConfig
 from runtime.drafters.base import Drafter
 from runtime.drafters.dflash import DFlashDrafter, DFlashParams
 from runtime.drafters.draft_model import DraftModelDrafter
@@ -250,6 +250,17 @@ def return_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
+def context_positions(mem: MemoryConfig, inp: memory.PlanInputs) -> int:
+    """memory.max_context, held to the target's max_position_embeddings: the default is cut to it, a larger value
+    given is refused (a ConfigError naming the key, the flag, the limit and the override), unless
+    memory.exceed_max_position_embeddings asks for more by name."""
+    limit = memory.context_limit(inp)
+    if mem.max_context > limit and mem.max_context == MemoryConfig.max_context:
+        return limit  # not asked for: the default of a model with a shorter window
+    memory.check_context(inp, mem.max_context, "memory.max_context (--max-context)")
+    return mem.max_context
+
+
 def prompt_format(bundle, tokenizer: Tokenizer) -> PromptFormat:
     """The bundle's prompt format; a bundle from before it was recorded gets the zoo's when its tokenizer has
     the zoo's task tokens, else none (a planner request then says what to add)."""
@@ -296,8 +307,10 @@ class Session:
         if entry is not None and entry.kind == "medusa":  # a static tree: its size is the bundle's, not the flags'
             depth = min(config.drafter.num_tokens, int(entry.params.get("num_heads", config.drafter.num_tokens)))
             tree_tokens = len(resolve_tree(entry.params.get("tree", "chain"), depth)) + 1
-        self.plan_inputs = memory.bundle_inputs(b, name, backend.kind, tree_tokens, backend.precision)
-        positions = config.memory.max_context
+        self.plan_inputs = memory.bundle_inputs(b, name, backend.kind, tree_tokens, backend.precision,
+                                                config.memory.prefill_chunk,
+                                                config.memory.exceed_max_position_embeddings)
+        positions = wanted = context_positions(config.memory, self.plan_inputs)
         self.budget_bytes = int(config.memory.budget_mb * 2**20)
         if self.budget_bytes > 0:
             fit = memory.max_context(self.plan_inputs, self.budget_bytes)
@@ -306,7 +319,7 @@ class Session:
                                                         "this bundle"))
             positions = min(positions, fit)
         # A request longer than this is refused by the budget (not by max_context) before it runs.
-        self.budget_positions = positions if self.budget_bytes > 0 and positions < config.memory.max_context else None
+        self.budget_positions = positions if self.budget_bytes > 0 and positions < wanted else None
         # backend.precision picks the ONNX target graph (the float one, or a quantised one that then IS the target)
         files = b.onnx_target(backend.precision) if backend.kind == "onnx" else b.target_files(backend.kind)
         # (numpy drafters sharing an fp16 arena read it upcast; only the drafter's precision is affected, not exactness)
