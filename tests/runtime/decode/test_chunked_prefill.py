@@ -68,3 +68,28 @@ def test_the_engine_never_runs_a_prefill_forward_longer_than_the_chunk():
     out = Engine(target, None, prefill_chunk=CHUNK).generate(prompt, SamplingParams(), 5)
     assert sizes[:5] == [16, 16, 16, 16, 6] and max(sizes) == CHUNK
     assert out.stats.target_forwards == 5 + out.stats.cycles
+
+
+def test_a_draft_models_catch_up_on_a_new_prompt_runs_in_the_engines_chunks():
+    """The drafter's own forward over the prompt is bounded like the target's (Drafter.prefill_chunk, set by the
+    engine), and the output is still plain decoding's."""
+    from runtime.backends.numpy_ref import NumpyTarget, cache_shape
+    from runtime.decode.engine import Engine
+    from runtime.drafters.draft_model import DraftModelDrafter
+    from runtime.memory.kv import KVArena
+    from runtime.sampling import SamplingParams
+    from tests.support.hf_tiny import tiny_hf_model
+
+    _, spec, weights = tiny_hf_model("llama", seed=3, num_layers=2)
+    shape = cache_shape(spec)
+    arena = KVArena.for_context({"t": shape, "d": shape}, 128)
+    target = NumpyTarget(spec, weights, arena.allocate("t", shape, 128))
+    draft = NumpyTarget(spec, weights, arena.allocate("d", shape, 128))
+    sizes = []
+    real = draft.forward
+    draft.forward = lambda tokens, *rest: sizes.append(len(tokens)) or real(tokens, *rest)
+    prompt = list(np.random.default_rng(0).integers(0, spec.vocab_size, 70))
+    plain = Engine(target, None, prefill_chunk=CHUNK).generate(prompt, SamplingParams(), 12).tokens
+    out = Engine(target, DraftModelDrafter(draft, num_tokens=3), prefill_chunk=CHUNK).generate(prompt, SamplingParams(), 12)
+    # the prompt and the first token (71 rows) in chunks of 16, then the cycles: the root and a drafted token or two
+    assert out.tokens == plain and sizes[:5] == [16, 16, 16, 16, 7] and max(sizes) <= CHUNK
