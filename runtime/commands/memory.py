@@ -165,7 +165,11 @@ def run_plan(args) -> int:
     print(f"{'total':26s} {plan.total / memory.MiB:10.1f} {plan.total / budget:7.1%}")
     print(f"verdict: {verdict}")
     big = biggest_row(plan)
-    print(f"biggest row: {big.name} {big.bytes / memory.MiB:.1f} MiB ({big.bytes / budget:.0%} of the budget)")
+    hint = ""
+    if not any(big.name in lever["rows"] for lever in levers):  # say so rather than let the lever below mislead
+        hint = ("; it grows with the context: only a shorter one (memory.max_context, --context) shrinks it"
+                if big.name.endswith("KV") else "; no lever below shrinks it")
+    print(f"biggest row: {big.name} {big.bytes / memory.MiB:.1f} MiB ({big.bytes / budget:.0%} of the budget){hint}")
     if levers:
         top = levers[0]
         print(f"biggest lever: {top['lever']} frees {top['frees_bytes'] / memory.GiB:.2f} GiB "

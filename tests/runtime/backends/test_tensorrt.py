@@ -233,9 +233,11 @@ def test_engines_are_installed_atomically_with_checksums_versions_and_profiles(t
     assert again.drafters[drafter].backends["tensorrt"].files == (engine_path(drafter),)
     assert again.files[TIMING_CACHE].size == len(b"timings")
     assert memory.bundle_kv_bytes(again, "tensorrt") == 2
-    # the plan counts the engine's chunked prefill (64 tokens), not a whole-context prefill
+    # the plan counts the engine's chunked prefill: its profile's 64 tokens, below memory.prefill_chunk; the
+    # other backends prefill in chunks of memory.prefill_chunk
     assert memory.bundle_inputs(again, "none", "tensorrt", 5).prefill_tokens == 64
-    assert memory.bundle_inputs(again, "none", "numpy_ref", 5).prefill_tokens is None
+    assert memory.bundle_inputs(again, "none", "tensorrt", 5, prefill_chunk=32).prefill_tokens == 32
+    assert memory.bundle_inputs(again, "none", "numpy_ref", 5).prefill_tokens == memory.PREFILL_CHUNK
     assert not [f for f in os.listdir(os.path.join(root, ENGINE_DIR)) if f.endswith(".tmp")]
     with open(os.path.join(root, ENGINE_DIR, "target.engine"), "ab") as f:
         f.write(b"x")

@@ -130,3 +130,13 @@ def test_max_context_past_the_models_window_is_refused_by_name_and_allowed_when_
     assert Session(wide).target.max_cache_len == 1024
     with pytest.raises(ConfigError, match="memory.max_context"):
         Session(replace(cfg, memory=replace(cfg.memory, max_context=1024)))
+
+
+def test_a_biggest_row_no_lever_shrinks_is_said_to_be_so(capsys, monkeypatch):
+    """Qwen3-1.7B int4 on a 64 GB module: the KV cache of 40960 positions is the biggest row, and at that context
+    no lever touches it; the plan says what does instead of letting the lever line read as the answer."""
+    monkeypatch.chdir(REPO_ROOT)
+    code, out, _ = run_cli(["memory", "plan", "--config", "configs/models/qwen3-1.7b.json", "--device",
+                            "agx_orin_64gb", "--precision", "int4"], capsys)
+    assert code == 0 and "biggest row: target KV" in out
+    assert "it grows with the context: only a shorter one (memory.max_context, --context) shrinks it" in out
