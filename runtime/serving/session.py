@@ -254,6 +254,7 @@ def context_positions(mem: MemoryConfig, inp: memory.PlanInputs) -> int:
     """memory.max_context, held to the target's max_position_embeddings: the default is cut to it, a larger value
     given is refused (a ConfigError naming the key, the flag, the limit and the override), unless
     memory.exceed_max_position_embeddings asks for more by name."""
+    inp = replace(inp, exceed_max_positions=mem.exceed_max_position_embeddings)
     limit = memory.context_limit(inp)
     if mem.max_context > limit and mem.max_context == MemoryConfig.max_context:
         return limit  # not asked for: the default of a model with a shorter window

@@ -116,20 +116,31 @@ def test_a_plan_context_past_max_position_embeddings_is_one_line_naming_flag_val
     assert "memory.exceed_max_position_embeddings: true (--exceed-max-position-embeddings)" in err
 
 
-def test_max_context_past_the_models_window_is_refused_by_name_and_allowed_when_asked(tiny_bundle, capsys):
-    """The tiny bundle's target was trained for 512 positions."""
-    code, out, err = run_cli(["generate", "--bundle", tiny_bundle, "--backend", "numpy_ref", "--drafter", "none",
+@needs_zoo
+def test_max_context_past_the_models_window_is_refused_by_name_and_allowed_when_asked(capsys):
+    """The zoo target was trained for 2048 positions: the issue's `--max-context 200000`."""
+    code, out, err = run_cli(["generate", "--bundle", ZOO, "--backend", "numpy_ref", "--drafter", "none",
                               "--max-context", "200000", "--prompt", "hello"], capsys)
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
-    assert ("memory.max_context (--max-context) 200000: above the model's max_position_embeddings 512" in err
-            and "(--exceed-max-position-embeddings)" in err)
-    cfg = RuntimeConfig(bundle=tiny_bundle)
+    assert ("memory.max_context (--max-context) 200000: above the model's max_position_embeddings 2048" in err
+            and "memory.exceed_max_position_embeddings: true (--exceed-max-position-embeddings)" in err)
+    cfg = RuntimeConfig(bundle=ZOO)
     cfg = replace(cfg, backend=replace(cfg.backend, kind="numpy_ref"), drafter=replace(cfg.drafter, kind="none"))
-    assert Session(cfg).target.max_cache_len == 512  # the 2048 default, cut to the model's window
-    wide = replace(cfg, memory=replace(cfg.memory, max_context=1024, exceed_max_position_embeddings=True))
-    assert Session(wide).target.max_cache_len == 1024
+    assert Session(cfg).target.max_cache_len == 2048
+    wide = replace(cfg, memory=replace(cfg.memory, max_context=4096, exceed_max_position_embeddings=True))
+    assert Session(wide).target.max_cache_len == 4096
     with pytest.raises(ConfigError, match="memory.max_context"):
-        Session(replace(cfg, memory=replace(cfg.memory, max_context=1024)))
+        Session(replace(cfg, memory=replace(cfg.memory, max_context=4096)))
+
+
+def test_the_default_max_context_is_cut_to_a_shorter_model_window_not_refused():
+    from runtime.serving.session import context_positions
+    from runtime.config import MemoryConfig
+    inp = PlanInputs(replace(memory.read_hf_config(os.path.join(MODELS, "qwen3-1.7b.json")), max_positions=512))
+    assert context_positions(MemoryConfig(), inp) == 512
+    with pytest.raises(ConfigError, match="max_position_embeddings 512"):
+        context_positions(MemoryConfig(max_context=1024), inp)
+    assert context_positions(MemoryConfig(max_context=1024, exceed_max_position_embeddings=True), inp) == 1024
 
 
 def test_a_biggest_row_no_lever_shrinks_is_said_to_be_so(capsys, monkeypatch):

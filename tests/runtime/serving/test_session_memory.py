@@ -4,14 +4,10 @@ configure/cleanup transitions run on whichever executor thread is free) do not p
 import gc
 import threading
 import weakref
-from dataclasses import replace
 
-from runtime.config import RuntimeConfig
 from runtime.serving.session import Session, return_large_blocks_on_free
 
-# KV arena of several MB, so that what is kept shows in the resident size (past the tiny model's 512-position
-# window: asked for by name)
-CONTEXT = 32768
+CONTEXT = 32768  # KV arena of several MB, so that what is kept shows in the resident size
 CYCLES = 8
 
 
@@ -43,10 +39,7 @@ def test_open_close_cycles_on_many_threads_do_not_pile_up_resident_memory(tiny_b
     held = []
 
     def open_one():
-        cfg = RuntimeConfig(bundle=tiny_bundle)
-        s = Session(replace(cfg, backend=replace(cfg.backend, kind="numpy_ref"),
-                            drafter=replace(cfg.drafter, kind="draft_model"),
-                            memory=replace(cfg.memory, max_context=CONTEXT, exceed_max_position_embeddings=True)))
+        s = Session.open(tiny_bundle, drafter="draft_model", backend="numpy_ref", max_context=CONTEXT)
         held.append(s)
         return s.memory_in_use()
 
