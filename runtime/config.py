@@ -30,7 +30,16 @@ class MemoryConfig:
     budget_mb: float = limits(0.0, min=0.0, doc="MiB the whole process may hold (weights, KV, scratch, runtime: "
                                                 "runtime/memory/plan.py plans it); the KV arena gets what is left; "
                                                 "0 = no budget, size the arena from max_context")
-    max_context: int = limits(2048, min=16, max=1 << 20, doc="positions the KV cache holds per model")
+    max_context: int = limits(2048, min=16, max=1 << 20,
+                              doc="positions the KV cache holds per model; at most the target's max_position_embeddings "
+                                  "(this default is cut to it, a larger value given is refused) unless "
+                                  "exceed_max_position_embeddings")
+    exceed_max_position_embeddings: bool = limits(
+        False, doc="let max_context (and the memory plan) go past the target's max_position_embeddings, the context "
+                   "it was trained for (rope positions it never saw: the output degrades, nothing fails)")
+    prefill_chunk: int = limits(512, min=1, max=1 << 20,
+                                doc="tokens per prefill forward: a longer prompt runs as several forwards (exact), "
+                                    "so its scratch (activations, attention scores, logits) is one chunk's")
     prefix_cache: bool = limits(True, doc="keep the K/V rows of the prompt prefix a request shares with the previous "
                                           "one (exact: same tokens, same positions) and prefill only the rest")
 

@@ -16,6 +16,7 @@ from typing import Dict, Optional, Protocol, Sequence
 
 import numpy as np
 
+from runtime.config import MemoryConfig
 from runtime.model.spec import ModelSpec
 
 
@@ -80,3 +81,34 @@ class CacheRows:
 
     def reset(self) -> None:
         self.cache.reset()
+
+
+PREFILL_CHUNK = MemoryConfig.prefill_chunk  # tokens per prefill forward, memory.prefill_chunk's default
+
+
+def forward_in_chunks(target: TargetBackend, tokens: np.ndarray, positions: np.ndarray, taps: Sequence[str] = (),
+                      chunk: int = PREFILL_CHUNK, all_logits: bool = True) -> ForwardResult:
+    """A causal forward of T tokens as ceil(T / chunk) consecutive causal forwards of <= `chunk` tokens: chunk j
+    attends to the cache (earlier chunks included) and causally to itself, which is row for row the mask of the
+    one causal forward, so its logits and taps are the same within the backend's precision. Only the forward's
+    scratch (activations, scores, the chunk's logits) is bounded by the chunk; the taps come out as one forward's,
+    rows concatenated (T, H). `all_logits` False keeps only the last row's logits (1, V): what a prefill samples
+    its first token from, without holding T x V floats.
+
+    Example: 1100 prompt tokens, chunk 512 -> forwards of 512, 512 and 76 tokens at positions 0.., 512.., 1024..;
+    the result holds 1100 rows of each tap and (all_logits False) the logits of position 1099."""
+    tokens = np.asarray(tokens, np.int64)
+    positions = np.asarray(positions, np.int64)
+    if chunk < 1 or len(tokens) == 0:
+        raise ValueError(f"a chunked forward of {len(tokens)} tokens in chunks of {chunk}: expected >= 1 of each")
+    logits, got = [], {name: [] for name in taps}
+    for s in range(0, len(tokens), chunk):
+        res = target.forward(tokens[s:s + chunk], positions[s:s + chunk], None, taps)
+        last = s + chunk >= len(tokens)
+        if all_logits or last:
+            logits.append(res.logits if all_logits else res.logits[-1:])
+        for name in taps:
+            got[name].append(res.taps[name])
+    one = len(logits) == 1  # a prompt within one chunk: no copy
+    return ForwardResult(logits=logits[0] if one else np.concatenate(logits),
+                         taps={n: v[0] if len(v) == 1 else np.concatenate(v) for n, v in got.items()})

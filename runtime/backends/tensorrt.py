@@ -34,7 +34,7 @@ from typing import Dict, Mapping, Optional, Sequence
 
 import numpy as np
 
-from runtime.backends.base import CacheRows, ForwardResult, parse_tap
+from runtime.backends.base import CacheRows, ForwardResult, forward_in_chunks, parse_tap
 from runtime.backends.onnx import additive_mask, causal_additive_mask, tap_output_name
 from runtime.backends.tensorrt_plan import (cache_offsets, graph_bucket, kv_addresses, padded_mask, parse_l4t_release,
                                             pick_profile, row_moves, version_mismatch)
@@ -251,7 +251,8 @@ class TensorRTTarget(CacheRows):
                                    "re-export the ONNX graph with --taps, then rebuild the engines")
         prefill_max = int(self.profiles[list(self.profiles)[-1]]["max_tokens"])
         if mask is None and t > prefill_max:
-            return self._forward_chunked(tokens, positions, prefill_max, taps)
+            # a causal forward longer than the prefill profile: consecutive causal chunks of it (exact, base.py)
+            return forward_in_chunks(self, tokens, positions, taps, prefill_max)
         if mask is None:
             add_mask = causal_additive_mask(p, t)
         elif mask.shape != (t, p + t):
@@ -267,15 +268,6 @@ class TensorRTTarget(CacheRows):
             if out is not None:
                 return out
         return self._forward_eager(tokens, positions, add_mask, index, taps)
-
-    def _forward_chunked(self, tokens, positions, chunk: int, taps: Sequence[str]) -> ForwardResult:
-        """A causal forward longer than the prefill profile, as consecutive causal chunks of <= `chunk` tokens:
-        each chunk attends to the cache (earlier chunks included) and causally to itself, which is the causal
-        forward's mask row for row; only the activation memory is bounded by the chunk."""
-        outs = [self.forward(tokens[i:i + chunk], positions[i:i + chunk], None, taps)
-                for i in range(0, len(tokens), chunk)]
-        return ForwardResult(logits=np.concatenate([o.logits for o in outs]),
-                             taps={n: np.concatenate([o.taps[n] for o in outs]) for n in taps})
 
     def _forward_eager(self, tokens, positions, add_mask: np.ndarray, index: int, taps: Sequence[str]) -> ForwardResult:
         """One forward with the past bound in place (P rows) and the new K/V written straight after it."""

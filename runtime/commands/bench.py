@@ -24,6 +24,7 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
+from runtime.backends.base import forward_in_chunks
 from runtime.model import bundle as bundle_io
 from runtime.memory import plan as memory
 from runtime.commands.bench_backend import measure_bandwidth
@@ -160,7 +161,8 @@ def near_tie(session, prompt_ids: List[int], plain: List[int], other: List[int])
         return out  # one stopped (EOS) where the other went on: the EOS logit decided it
     ids = np.asarray(list(prompt_ids) + list(plain[:j]), np.int64)
     session.target.reset()
-    logits = session.target.forward(ids, np.arange(len(ids)), None, ()).logits[-1]
+    logits = forward_in_chunks(session.target, ids, np.arange(len(ids)), (), session.engine.prefill_chunk,
+                               all_logits=False).logits[-1]
     out["logit_gap"] = float(logits[plain[j]] - logits[other[j]])
     return out
 

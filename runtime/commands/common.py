@@ -21,6 +21,8 @@ DEFAULT_BUNDLE = RuntimeConfig().bundle  # relative: resolved by `resolve_bundle
 MODEL_FLAGS = {"backend": "backend.kind", "precision": "backend.precision", "drafter": "drafter.kind",
                "num_draft": "drafter.num_tokens", "branching": "drafter.branching", "shape": "drafter.shape",
                "max_context": "memory.max_context", "prefix_cache": "memory.prefix_cache",
+               "exceed_max_position_embeddings": "memory.exceed_max_position_embeddings",
+               "prefill_chunk": "memory.prefill_chunk",
                "lossy_typical_acceptance": "decoding.lossy_typical_acceptance"}
 SAMPLING_FLAGS = {"max_tokens": "generation.max_tokens", "temperature": "generation.temperature",
                   "top_p": "generation.top_p", "top_k": "generation.top_k", "seed": "generation.seed"}
@@ -75,7 +77,13 @@ def add_model_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
                    help="draft shape: fixed = the drafter's own every cycle; adaptive = each cycle's node budget from "
                         "the cost model and the acceptance so far; auto (default) = adaptive where `edgespec tune` "
                         "measured this machine, else fixed")
-    g.add_argument("--max-context", type=int, help="KV positions per model, 16..1048576 (default 2048)")
+    g.add_argument("--max-context", type=int, help="KV positions per model, 16..1048576, at most the model's "
+                                                   "max_position_embeddings (default 2048, cut to that)")
+    g.add_argument("--exceed-max-position-embeddings", dest="exceed_max_position_embeddings", action="store_const",
+                   const=True, help="allow --max-context past the model's max_position_embeddings (the context it was "
+                                    "trained for; beyond it the output degrades)")
+    g.add_argument("--prefill-chunk", type=int, help="tokens per prefill forward (default 512): a longer prompt runs "
+                                                     "as several forwards (exact), bounding its scratch")
     g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False,
                    help="prefill every prompt in full (default: keep the K/V of the prefix shared with the "
                         "previous request; exact either way)")

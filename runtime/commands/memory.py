@@ -71,10 +71,14 @@ def register(sub) -> None:
     plan.add_argument("--head-precision", choices=[*memory.PRECISIONS, "q6_K"],
                       help="with --config: embedding and LM head precision (default fp16, as int4 runtimes keep it; "
                            "q6_K with --precision q4_K_M, as llama.cpp does)")
-    plan.add_argument("--context", type=int, help="plan the rows at this context (default: the longest that fits)")
+    plan.add_argument("--context", type=int, help="plan the rows at this context (default: the longest that fits, "
+                                                   "at most the model's max_position_embeddings)")
+    plan.add_argument("--exceed-max-position-embeddings", action="store_true",
+                      help="plan contexts past the model's max_position_embeddings (memory.exceed_max_position_embeddings)")
     plan.add_argument("--num-draft", type=int, default=4, help="draft tokens per cycle (verify tree size), default 4")
-    plan.add_argument("--prefill-chunk", type=int, default=256,
-                      help="with --config: tokens per prefill forward (default 256)")
+    plan.add_argument("--prefill-chunk", type=int, default=memory.PREFILL_CHUNK,
+                      help=f"tokens per prefill forward, as memory.prefill_chunk sets them (default "
+                           f"{memory.PREFILL_CHUNK})")
     plan.add_argument("--plot", metavar="FILE.png", help="also write a PNG (needs matplotlib): the budget as a "
                                                           "stacked bar, and max context vs budget per drafter")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
@@ -118,6 +122,8 @@ def _positive(flag: str, value) -> None:
 def plan_inputs(args) -> Tuple[memory.PlanInputs, Dict[str, memory.PlanInputs]]:
     """The inputs to plan, and those of each drafter choice (for --plot's curves)."""
     _positive("--num-draft", args.num_draft)
+    _positive("--prefill-chunk", args.prefill_chunk)
+    exceed = args.exceed_max_position_embeddings
     if args.bundle:
         from runtime.model import bundle as bundle_io
         if not os.path.isdir(args.bundle):
@@ -134,20 +140,25 @@ def plan_inputs(args) -> Tuple[memory.PlanInputs, Dict[str, memory.PlanInputs]]:
             raise ConfigError(f"--precision {precision}: with --bundle it picks an ONNX graph (--backend onnx) or "
                               f"a GGUF quant (--backend gguf); a {args.backend} entry has one precision, its own")
         from runtime.drafters import registry
-        choices = {d: registry.plan_inputs(b, d, args.backend, args.num_draft + 1, precision)
-                   for d in ["none", *b.drafters]}
-        return registry.plan_inputs(b, drafter, args.backend, args.num_draft + 1, precision), choices
-    _positive("--prefill-chunk", args.prefill_chunk)
+        choices = {d: registry.plan_inputs(b, d, args.backend, args.num_draft + 1, precision, args.prefill_chunk,
+                                           exceed) for d in ["none", *b.drafters]}
+        return registry.plan_inputs(b, drafter, args.backend, args.num_draft + 1, precision, args.prefill_chunk,
+                                    exceed), choices
     draft = memory.read_hf_config(args.drafter_config) if args.drafter_config else None
     precision = args.precision or "fp16"
     head = args.head_precision or memory.HEAD_OF_QUANT.get(precision, "fp16" if precision != "fp32" else "fp32")
     inp = memory.PlanInputs(target=memory.read_hf_config(args.config), drafter=draft, precision=precision,
                             head_precision=head, tree_tokens=args.num_draft + 1,
-                            prefill_tokens=args.prefill_chunk, fused_attention=True)
+                            prefill_tokens=args.prefill_chunk, fused_attention=True, exceed_max_positions=exceed)
     choices = {"target alone": replace(inp, drafter=None, tree_tokens=1)}
     if draft is not None:
         choices[f"+ {os.path.basename(args.drafter_config)}"] = inp
     return inp, choices
+
+
+def biggest_row(plan: memory.Plan) -> memory.Row:
+    """The plan's largest row a setting can change (not the headroom, a share of the budget itself)."""
+    return max((r for r in plan.rows if r.name != "headroom"), key=lambda r: r.bytes)
 
 
 def run_plan(args) -> int:
@@ -155,6 +166,8 @@ def run_plan(args) -> int:
     budget = memory.parse_budget(args.budget) if args.budget else memory.device_budget(device)
     inp, choices = plan_inputs(args)
     _positive("--context", args.context)
+    if args.context is not None:
+        memory.check_context(inp, args.context, "--context")
     plan = memory.make_plan(inp, budget, args.context)
     if args.plot:
         src = args.bundle or os.path.basename(args.config)
@@ -163,7 +176,8 @@ def run_plan(args) -> int:
     levers = memory.levers(inp, budget, plan.context)
     roof_ctx = min(plan.context, 1024)
     roof = memory.projected_decode(inp, roof_ctx, device.bandwidth_gbs)
-    verdict = (f"fits: max context {plan.max_context}" if plan.fits and plan.max_context >= memory.MIN_CONTEXT
+    capped = f" ({memory.limit_note(inp)})" if plan.capped_at else ""
+    verdict = (f"fits: max context {plan.max_context}{capped}" if plan.fits and plan.max_context >= memory.MIN_CONTEXT
                else f"does NOT fit: needs {memory.budget_needed(inp, plan.context) / memory.GiB:.2f} GiB at "
                     f"{plan.context} positions")
     if args.json:
@@ -177,10 +191,16 @@ def run_plan(args) -> int:
         print(f"{r.name:26s} {r.bytes / memory.MiB:10.1f} {r.bytes / budget:7.1%}  {r.note}")
     print(f"{'total':26s} {plan.total / memory.MiB:10.1f} {plan.total / budget:7.1%}")
     print(f"verdict: {verdict}")
+    big = biggest_row(plan)
+    hint = ""
+    if not any(big.name in lever["rows"] for lever in levers):  # say so rather than let the lever below mislead
+        hint = ("; it grows with the context: only a shorter one (memory.max_context, --context) shrinks it"
+                if big.name.endswith("KV") else "; no lever below shrinks it")
+    print(f"biggest row: {big.name} {big.bytes / memory.MiB:.1f} MiB ({big.bytes / budget:.0%} of the budget){hint}")
     if levers:
         top = levers[0]
         print(f"biggest lever: {top['lever']} frees {top['frees_bytes'] / memory.GiB:.2f} GiB "
-              f"(max context {top['max_context']})")
+              f"({', '.join(top['rows'])}; max context {top['max_context']})")
     print(f"projection (bandwidth bound, not measured): plain decode <= {roof['plain_tok_s_bound']:.1f} tok/s at "
           f"{device.bandwidth_gbs:g} GB/s at context {roof_ctx}, {roof['bytes_per_token'] / 1e9:.2f} GB read per token, LM head "
           f"{roof['lm_head_share']:.0%} of it")

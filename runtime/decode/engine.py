@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from runtime.backends.base import TargetBackend
+from runtime.backends.base import PREFILL_CHUNK, TargetBackend, forward_in_chunks
 from runtime.drafters.base import DraftContext, Drafter, common_prefix_len
 from runtime.errors import RequestError
 from runtime.text.grammar import Grammar, GrammarState
@@ -29,7 +29,7 @@ FINISH_REASONS = ("eos", "stop", "max_tokens", "deadline", "cancelled")
 @dataclass
 class DecodeStats:
     tokens: int = 0  # tokens emitted (EOS excluded)
-    target_forwards: int = 0  # prefill included
+    target_forwards: int = 0  # the prefill's (one per chunk of memory.prefill_chunk tokens) included
     cycles: int = 0  # verify forwards after the prefill
     # tau: mean tokens committed per verify forward = sum over cycles of (accepted drafts + 1) / cycles; 1.0 =
     # plain decoding. It measures the drafter, not the answer: the prefill's first token is not counted, and
@@ -96,11 +96,15 @@ class Engine:
     what the cache holds from the previous request (prompt + output, in the same arena) and prefills only
     the rest. Exact by construction: a row's K/V depend only on the tokens at and before its position, and
     the kept rows are those tokens at those positions. Drafters that keep state opt in through
-    `Drafter.reusable_prefix`; the others make the target recompute the whole prompt."""
+    `Drafter.reusable_prefix`; the others make the target recompute the whole prompt.
+
+    `prefill_chunk`: the prompt runs as forwards of at most this many tokens (backends/base.forward_in_chunks),
+    so a long prompt's scratch is that of one chunk; exact for the same reason (each chunk sees the rows before it)."""
 
     def __init__(self, target: TargetBackend, drafter: Optional[Drafter], eos_ids: Sequence[int] = (),
                  sampled_verifier: Callable = verify_sampled, prefix_cache: bool = True,
-                 policy: Optional[AdaptivePolicy] = None, shape: str = "adaptive"):
+                 policy: Optional[AdaptivePolicy] = None, shape: str = "adaptive",
+                 prefill_chunk: int = PREFILL_CHUNK):
         self.target = target
         self.drafter = drafter
         # Adaptive draft shapes (runtime/speculation.py): each cycle's node budget comes from the history of
@@ -112,6 +116,9 @@ class Engine:
         # swaps in wrong rules to prove it catches them, and refuses a lossy one.
         self.sampled_verifier = sampled_verifier
         self.prefix_cache = prefix_cache
+        self.prefill_chunk = prefill_chunk
+        if drafter is not None:  # its catch-up on a new prompt runs in the same chunks (Drafter.prefill_chunk)
+            drafter.prefill_chunk = prefill_chunk
         self._cached: List[int] = []  # the tokens of the target's cache rows 0 .. len-1, after the last request
         self._cached_by: Optional[TargetBackend] = None  # ... in this backend (certify swaps in a wrapper)
         self.prefix_hits = 0
@@ -163,7 +170,7 @@ class Engine:
         t0 = time.perf_counter()
         state = grammar.start() if grammar is not None else None
 
-        first, taps, start = self._prefill(prompt, params, rng, state.allowed(()) if state else None)
+        first, taps, start, chunks = self._prefill(prompt, params, rng, state.allowed(()) if state else None)
         if first_token is not None:
             first = int(first_token)
             if not 0 <= first < self.target.spec.vocab_size or (state is not None and not state.allowed(())[first]):
@@ -172,7 +179,7 @@ class Engine:
         if state is not None:
             state.commit([first])
         stats.prefill_s = stats.ttft_s = time.perf_counter() - t0
-        stats.target_forwards = 1
+        stats.target_forwards = chunks
         stats.prefix_tokens, stats.prefill_tokens = start, len(prompt) - start
         context = prompt + [first]
         out: List[int] = []
@@ -234,7 +241,8 @@ class Engine:
 
     def _prefill(self, prompt: List[int], params: SamplingParams, rng: np.random.Generator,
                  mask: Optional[np.ndarray] = None):
-        """Returns (first token, taps of the rows run, start): rows [0, start) were kept, [start, len) run."""
+        """Returns (first token, taps of the rows run, start, forwards): rows [0, start) were kept, [start, len)
+        run in `forwards` chunks."""
         start = self._reusable(prompt)
         if start:
             self.target.keep(start, [])
@@ -243,10 +251,11 @@ class Engine:
             self.target.reset()
             self.prefix_misses += 1
         taps = self.drafter.target_taps if self.drafter else ()
-        res = self.target.forward(np.asarray(prompt[start:], np.int64), np.arange(start, len(prompt)), None, taps)
+        res = forward_in_chunks(self.target, np.asarray(prompt[start:], np.int64), np.arange(start, len(prompt)), taps,
+                                self.prefill_chunk, all_logits=False)
         p = process_logits(res.logits[-1], params, prompt, mask)
         first = int(np.argmax(p)) if params.greedy else sample(p, rng)
-        return first, res.taps, start
+        return first, res.taps, start, -(-(len(prompt) - start) // self.prefill_chunk)
 
     def _cycle(self, context: List[int], params: SamplingParams, rng, draft_rng, remaining: int, stats: DecodeStats,
                grammar: Optional[GrammarState] = None, key: str = "", budgets: Optional[List[int]] = None):

@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from runtime.backends.base import PREFILL_CHUNK
 from runtime.backends.factory import load_weights
 from runtime.config import BackendConfig
 from runtime.memory.kv import CacheShape, KVArena
@@ -66,6 +67,9 @@ class Drafter:
     # True where the tree's shape is the drafter's own data (Medusa's choice list), not set by `branching`:
     # certify then tests that one shape instead of re-setting `branching`
     fixed_shape: bool = False
+    # Rows per forward where the drafter catches up on a long prompt with its own model (draft model, EAGLE):
+    # the engine sets it to its memory.prefill_chunk, so the drafter's scratch is bounded like the target's.
+    prefill_chunk: int = PREFILL_CHUNK
 
     def begin(self, prompt: Sequence[int], taps: Dict[str, np.ndarray], start: int = 0) -> None:
         """A new request: the target has just prefilled `prompt`. With `start` > 0 (only after

@@ -13,7 +13,7 @@ from typing import Dict, List, Mapping, Optional
 
 import numpy as np
 
-from runtime.backends.base import TargetBackend
+from runtime.backends.base import TargetBackend, forward_in_chunks
 from runtime.backends.factory import open_model
 from runtime.backends.numpy_ref import cache_shape
 from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec, common_prefix_len
@@ -68,7 +68,9 @@ class DraftModelDrafter(Drafter):
         self.cached = self.cached[:keep]  # (set again below; right also if the forward fails)
         room = self.model.max_cache_len - len(context)  # rows left for drafted nodes
         depth = min(self.k, ctx.max_nodes // self.branching, 1 + room // self.branching)
-        logits = self._run(context[keep:], np.arange(keep, len(context)))[-1]
+        # (a new prompt: in chunks, like the target's prefill; after a cycle only the root and a token or two)
+        logits = forward_in_chunks(self.model, context[keep:], np.arange(keep, len(context)), (), self.prefill_chunk,
+                                   all_logits=False).logits[-1]
         self.cached = context
         self._base = len(context)
         self._node_rows = {}
@@ -143,7 +145,7 @@ def memory(bundle, entry, p: DraftModelParams, backend: str) -> DrafterMemory:
     d_prec = d_files.params.get("precision", "fp32") if d_files is not None else "fp32"
     if d_files is not None and backend == "gguf":
         d_prec = {"f16": "fp16"}.get(d_files.params.get("quant", "f16"), d_files.params.get("quant"))
-    return DrafterMemory(dims_from_spec(entry.spec), d_prec)
+    return DrafterMemory(dims_from_spec(entry.spec), d_prec, prefill_chunked=True)
 
 
 SPEC = DrafterSpec(kinds=("draft_model",), params=DraftModelParams.from_dict, build=build, memory=memory)

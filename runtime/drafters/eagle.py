@@ -267,8 +267,10 @@ class EagleDrafter(Drafter):
         n = feats.shape[0]
         if first + n != len(tokens) - 1:
             raise RuntimeError(f"EAGLE drafter out of step: {first} + {n} rows for a context of {len(tokens)} tokens")
-        out, logits = self._step(feats, tokens[first + 1:first + 1 + n], np.arange(first, first + n),
-                                 causal_mask(first, n), last_only=True)
+        for s in range(0, max(n, 1), self.prefill_chunk):  # a new prompt in chunks, as the target prefilled it
+            a, m = first + s, min(self.prefill_chunk, n - s)
+            out, logits = self._step(feats[s:s + m], tokens[a + 1:a + 1 + m], np.arange(a, a + m), causal_mask(a, m),
+                                     last_only=True)
         self.committed_rows += n
         self.pending = feats[:0]
         return out[-1:], logits[0]
@@ -389,7 +391,7 @@ def memory(bundle, entry, p: EagleParams, backend: str) -> memory_plan.DrafterMe
     if entry.spec is None:
         return memory_plan.NO_DRAFTER
     extra = memory_plan.target_embedding_copy_bytes(bundle.target.spec) if backend != "numpy_ref" else 0
-    return memory_plan.DrafterMemory(eagle_dims(entry, p), "fp32", extra)
+    return memory_plan.DrafterMemory(eagle_dims(entry, p), "fp32", extra, prefill_chunked=True)
 
 
 SPEC = DrafterSpec(kinds=("eagle", "eagle3"), params=EagleParams.from_dict, build=build, memory=memory)

@@ -76,7 +76,9 @@ def drafter_memory(bundle, name: str, backend: str) -> memory.DrafterMemory:
     return spec.memory(bundle, entry, params, backend)
 
 
-def plan_inputs(bundle, name: str, backend: str, tree_tokens: int, precision: str = "auto") -> memory.PlanInputs:
-    """The memory plan's inputs for a bundle served with drafter `name` ("none": plain decoding) on `backend`."""
+def plan_inputs(bundle, name: str, backend: str, tree_tokens: int, precision: str = "auto",
+                prefill_chunk: int = memory.PREFILL_CHUNK, exceed_max_positions: bool = False) -> memory.PlanInputs:
+    """The memory plan's inputs for a bundle served with drafter `name` ("none": plain decoding) on `backend`,
+    prefilling in chunks of `prefill_chunk` (and past max_position_embeddings only with `exceed_max_positions`)."""
     return memory.bundle_inputs(bundle, None if name == "none" else name, drafter_memory(bundle, name, backend),
-                                backend, tree_tokens, precision)
+                                backend, tree_tokens, precision, prefill_chunk, exceed_max_positions)

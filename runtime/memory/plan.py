@@ -4,7 +4,8 @@ On Jetson the GPU and the CPU share one memory, so a single budget covers everyt
 
     total(context) = target weights + drafter weights            (fixed)
                    + KV bytes per position x (context + DRAFT_SLACK)
-                   + forward scratch (the largest forward: prefill of `prefill` tokens, or a tree verify)
+                   + forward scratch (the largest forward: a prefill chunk of memory.prefill_chunk tokens, or a
+                     tree verify) + the drafter's own forward scratch where it runs a graph of its own
                    + runtime overhead (interpreter, libraries, CUDA context)  + headroom (a share of the budget)
 
 Everything here is pure arithmetic on model dimensions (`ModelDims`, read from an HF config.json or a bundle's
@@ -21,13 +22,17 @@ from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from runtime.model.bundle import gguf_entries, onnx_entry_key
-from runtime.config import DeviceProfile, load_config
+from runtime.config import DeviceProfile, MemoryConfig, load_config
 from runtime.errors import ConfigError
 from runtime.memory.kv import CacheShape
 
 GiB, MiB = 1 << 30, 1 << 20
 DRAFT_SLACK = 64  # rows each cache holds beyond the context: the branch a drafter is drafting (the arena's extra)
 MIN_CONTEXT = 16  # the smallest context a session runs with (memory.max_context's lower limit)
+CONTEXT_LIMIT = 1 << 20  # memory.max_context's upper limit: where max_context() stops looking
+PREFILL_CHUNK = MemoryConfig.prefill_chunk  # the engine's prefill forwards (memory.prefill_chunk's default)
+# How to plan or run past a model's max_position_embeddings (asked for by name: the model was not trained there)
+EXCEED_KEY, EXCEED_FLAG = "memory.exceed_max_position_embeddings", "--exceed-max-position-embeddings"
 # Bytes per weight; int4 carries an fp16 scale per group of 128 weights (AWQ / GPTQ layout), int8 a per-row scale.
 # llama.cpp's quants (ggml block layouts): q8_0 34 B per 32 weights, q6_K 210 B per 256, and q4_K_M, a mix of
 # q4_K (144 B per 256) with q6_K for attn_v / ffn_down in half the layers: ~4.8 bits per decoder-layer weight
@@ -70,6 +75,7 @@ class ModelDims:
     head_rows: Optional[int] = None  # None = vocab
     attn_in: int = 0  # width into q/k/v; EAGLE-3 attends over [embedding; hidden] = 2H; 0 = hidden
     fusion_in: int = 0  # EAGLE-3's fc: three target hiddens (3H) -> H; 0 = none
+    max_positions: int = 0  # max_position_embeddings: the context the model was trained for; 0 = unknown
 
     def layer_params(self) -> int:
         """Weights of one decoder layer. Llama-3.2-3B (H 3072, 24 heads, 8 KV, d 128, I 8192):
@@ -101,7 +107,8 @@ class ModelDims:
 def dims_from_spec(spec) -> ModelDims:
     """ModelDims of a bundle's ModelSpec (runtime.model.spec)."""
     return ModelDims(spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                     spec.intermediate_size, spec.vocab_size, spec.tie_word_embeddings, spec.qkv_bias, spec.qk_norm)
+                     spec.intermediate_size, spec.vocab_size, spec.tie_word_embeddings, spec.qkv_bias, spec.qk_norm,
+                     max_positions=int(spec.max_position_embeddings))
 
 
 def dims_from_hf_config(cfg: Dict, source: str = "config.json") -> ModelDims:
@@ -120,7 +127,8 @@ def dims_from_hf_config(cfg: Dict, source: str = "config.json") -> ModelDims:
             qk_norm=cfg.get("model_type") == "qwen3" and not eagle3,
             own_embedding=not eagle3,
             head_rows=int(cfg.get("draft_vocab_size") or cfg["vocab_size"]) if eagle3 else None,
-            attn_in=2 * hidden if eagle3 else 0, fusion_in=3 * hidden if eagle3 else 0)
+            attn_in=2 * hidden if eagle3 else 0, fusion_in=3 * hidden if eagle3 else 0,
+            max_positions=int(cfg.get("max_position_embeddings") or 0))
     except KeyError as exc:
         raise ConfigError(f"{source}: missing key {exc.args[0]!r}; an HF config.json of a Llama/Qwen model "
                           "(or an EAGLE-3 head) has it") from None
@@ -152,7 +160,9 @@ class PlanInputs:
     kv_bytes: int = 2  # bytes per K/V element
     drafter_extra_bytes: int = 0  # weights a drafter holds beyond its dims (e.g. an MTP module, measured)
     tree_tokens: int = 5  # tokens in the largest verify forward (draft depth x branching + the root)
-    prefill_tokens: Optional[int] = None  # tokens per prefill forward; None = the whole context in one
+    prefill_tokens: Optional[int] = None  # tokens per target prefill forward (memory.prefill_chunk); None = one forward
+    drafter_prefill_tokens: Optional[int] = None  # tokens per forward of the drafter's own catch-up; None = one
+    exceed_max_positions: bool = False  # plan past target.max_positions (EXCEED_KEY, asked for by name)
     overhead_bytes: int = RUNTIME_OVERHEAD["device"]
     overhead_note: str = "interpreter, libraries (default estimate)"
     target_file_bytes: Optional[int] = None  # the target's weight files as the backend loads them (None: from dims)
@@ -235,6 +245,12 @@ def ggml_scratch_bytes(dims: ModelDims, tokens: int, context: int) -> int:
     return compute + 2 * dims.heads * t * n_kv + 4 * t * dims.vocab
 
 
+def scratch_dims(dims: ModelDims) -> ModelDims:
+    """`dims` with vocab = the rows its forward's logits have: its own head's (EAGLE-3: draft_vocab_size, 32000
+    beside a 151936-token target), the vocabulary where it has none (head_rows 0: it uses the target's head)."""
+    return replace(dims, vocab=dims.head_rows) if dims.head_rows else dims
+
+
 def plan_rows(inp: PlanInputs, context: int, budget: int) -> List[Row]:
     """The rows of the plan at `context` positions (headroom: inp.headroom x budget)."""
     t_body, t_head = target_weight_bytes(inp)
@@ -260,15 +276,19 @@ def plan_rows(inp: PlanInputs, context: int, budget: int) -> List[Row]:
     else:
         def one(dims, tokens):
             return forward_scratch_bytes(dims, tokens, context, fused)
-    scratch = max(one(inp.target, prefill), one(inp.target, inp.tree_tokens))
+    scratch = int(max(one(inp.target, prefill), one(inp.target, inp.tree_tokens)) * inp.scratch_factor)
+    what = f"prefill of {prefill} tokens" if prefill == context else f"a prefill chunk of {prefill} tokens"
+    rows.append(Row("forward scratch", scratch, f"{what} or a {inp.tree_tokens}-token verify"))
     if inp.drafter is not None and inp.drafter_scratch:
-        scratch += one(inp.drafter, prefill)
-    scratch = int(scratch * inp.scratch_factor)
-    rows.append(Row("forward scratch", scratch, f"prefill of {prefill} tokens or a {inp.tree_tokens}-token verify"))
+        # The drafter's own graph session keeps its peak too: its catch-up over the prompt (the forward it runs
+        # after the prefill), with logits over ITS head's rows (EAGLE-3: the draft vocabulary).
+        d_prefill = min(context, inp.drafter_prefill_tokens or context)
+        rows.append(Row("drafter scratch", int(one(scratch_dims(inp.drafter), d_prefill) * inp.scratch_factor),
+                        f"its forward over {'a chunk of ' if d_prefill < context else ''}{d_prefill} prompt tokens"))
     if inp.chunk_outputs:
-        # llama.cpp's prefill (runtime/backends/llamacpp.py) copies each batch's float32 logits out, then
-        # concatenates them (a copy even of one batch): two copies of context x vocab at the end of the prefill
-        rows.append(Row("prefill logits", 2 * 4 * context * inp.target.vocab, f"2 x {context} x {inp.target.vocab} float32"))
+        # llama.cpp's forward (runtime/backends/llamacpp.py) copies each batch's float32 logits out, then
+        # concatenates them (a copy even of one batch): two copies of a prefill chunk x vocab
+        rows.append(Row("prefill logits", 2 * 4 * prefill * inp.target.vocab, f"2 x {prefill} x {inp.target.vocab} float32"))
     rows.append(Row("runtime overhead", inp.overhead_bytes, inp.overhead_note))
     rows.append(Row("headroom", int(inp.headroom * budget), f"{inp.headroom:.0%} of the budget"))
     return rows
@@ -278,9 +298,33 @@ def total_bytes(inp: PlanInputs, context: int, budget: int) -> int:
     return sum(r.bytes for r in plan_rows(inp, context, budget))
 
 
-def max_context(inp: PlanInputs, budget: int, limit: int = 1 << 20) -> int:
-    """The longest context (positions, <= limit) whose plan fits in `budget`; 0 if not even one position
-    does. total() grows with the context, so a bisection finds the boundary exactly."""
+def context_limit(inp: PlanInputs) -> int:
+    """The longest context a plan offers: the target's max_position_embeddings (past it the model was never
+    trained, and rope positions it never saw give garbage, not an error), unless exceed_max_positions asks for more
+    by name; CONTEXT_LIMIT where the dims do not say."""
+    m = inp.target.max_positions
+    return m if m and not inp.exceed_max_positions else CONTEXT_LIMIT
+
+
+def limit_note(inp: PlanInputs) -> str:
+    return (f"capped at the model's max_position_embeddings {inp.target.max_positions}; set {EXCEED_KEY}: true "
+            f"({EXCEED_FLAG}) to override")
+
+
+def check_context(inp: PlanInputs, context: int, what: str) -> None:
+    """A ConfigError naming `what` (the flag / key), the value, the model's limit and the override, for a context
+    past max_position_embeddings that was not asked for by name."""
+    limit = context_limit(inp)
+    if context > limit:
+        raise ConfigError(f"{what} {context}: above the model's max_position_embeddings {limit}, the longest context "
+                          f"it was trained for; give at most {limit}, or set {EXCEED_KEY}: true ({EXCEED_FLAG}) to "
+                          "run past it")
+
+
+def max_context(inp: PlanInputs, budget: int, limit: Optional[int] = None) -> int:
+    """The longest context (positions, <= limit, default context_limit(inp)) whose plan fits in `budget`; 0 if not
+    even one position does. total() grows with the context, so a bisection finds the boundary exactly."""
+    limit = context_limit(inp) if limit is None else limit
     if total_bytes(inp, 1, budget) > budget:
         return 0
     lo, hi = 1, limit
@@ -296,6 +340,7 @@ class Plan:
     budget: int
     context: int  # the context the rows are for
     max_context: int
+    capped_at: Optional[int] = None  # max_context was cut to the model's max_position_embeddings (the budget holds more)
 
     @property
     def total(self) -> int:
@@ -310,6 +355,7 @@ class Plan:
 
     def to_dict(self) -> Dict:
         return {"budget_bytes": self.budget, "context": self.context, "max_context": self.max_context,
+                "max_context_capped_at": self.capped_at,
                 "total_bytes": self.total, "fits": self.fits,
                 "rows": [{"name": r.name, "bytes": r.bytes, "share": r.bytes / self.budget if self.budget else None,
                           "note": r.note} for r in self.rows]}
@@ -318,8 +364,10 @@ class Plan:
 def make_plan(inp: PlanInputs, budget: int, context: Optional[int] = None) -> Plan:
     """The plan at `context` (default: the longest context the budget holds, or MIN_CONTEXT if none)."""
     best = max_context(inp, budget)
+    limit = context_limit(inp)
+    capped = best == limit < CONTEXT_LIMIT and total_bytes(inp, limit + 1, budget) <= budget
     ctx = context if context is not None else max(best, MIN_CONTEXT)
-    return Plan(tuple(plan_rows(inp, ctx, budget)), budget, ctx, best)
+    return Plan(tuple(plan_rows(inp, ctx, budget)), budget, ctx, best, limit if capped else None)
 
 
 def budget_needed(inp: PlanInputs, context: int) -> int:
@@ -340,9 +388,16 @@ def over_budget(inp: PlanInputs, budget: int, context: int, what: str) -> str:
             "`edgespec memory plan --bundle DIR` shows the plan")
 
 
+def smaller_chunk(prefill: int) -> int:
+    """The prefill chunk a lever proposes: a quarter of today's, as a power of two, at least 16 tokens
+    (512 -> 128; a whole 1073-token prompt -> 256)."""
+    return max(16, 1 << max(0, (prefill // 4).bit_length() - 1))
+
+
 def levers(inp: PlanInputs, budget: int, context: int) -> List[Dict]:
-    """What each change would free at `context`, largest first: quantizing the target's layers (int8, int4),
-    its embedding/head, dropping the drafter, a 32k draft vocabulary, fp16 KV."""
+    """What each change would free at `context`, largest first, and the rows it shrinks: quantizing the target's
+    layers (int8, int4), its embedding/head, dropping the drafter, a 32k draft vocabulary, fp16 KV, a smaller
+    prefill chunk (memory.prefill_chunk: the forward scratch of a long prompt)."""
     options = []
     rank = {"fp32": 0, "fp16": 1, "int8": 2, "q8_0": 2, "q6_K": 2.5, "int4": 3, "q4_K_M": 3}
     for p in ("int8", "int4"):  # from the dims: the alternative has no files yet
@@ -358,9 +413,19 @@ def levers(inp: PlanInputs, budget: int, context: int) -> List[Dict]:
                         replace(inp, drafter=replace(d, head_rows=EAGLE3_DRAFT_VOCAB))))
     if inp.kv_bytes > 2:
         options.append(("fp16 KV cache", replace(inp, kv_bytes=2)))
-    now = total_bytes(inp, context, budget)
-    out = [{"lever": name, "frees_bytes": now - total_bytes(alt, context, budget),
-            "max_context": max_context(alt, budget)} for name, alt in options]
+    prefill = min(context, inp.prefill_tokens or context)
+    if prefill > 16:
+        n = smaller_chunk(prefill)
+        options.append((f"memory.prefill_chunk {n} (prefill forwards of {n} tokens, not {prefill})",
+                        replace(inp, prefill_tokens=n, drafter_prefill_tokens=inp.drafter_prefill_tokens and
+                                min(n, inp.drafter_prefill_tokens))))
+    now = {r.name: r.bytes for r in plan_rows(inp, context, budget)}
+    out = []
+    for name, alt in options:
+        then = {r.name: r.bytes for r in plan_rows(alt, context, budget)}
+        freed = {row: b - then.get(row, 0) for row, b in now.items() if b > then.get(row, 0)}
+        out.append({"lever": name, "frees_bytes": sum(now.values()) - sum(then.values()),
+                    "rows": sorted(freed, key=lambda r: -freed[r]), "max_context": max_context(alt, budget)})
     return sorted(out, key=lambda x: -x["frees_bytes"])
 
 
@@ -445,6 +510,9 @@ class DrafterMemory:
     dims: Optional[ModelDims] = None  # decoder layers of its own (their weights and their KV cache rows)
     precision: Optional[str] = None  # of those layers' weights
     extra_bytes: int = 0  # weights beyond `dims` (heads, codebooks, a copy of the target's embedding)
+    # its own forward over a new prompt runs in the engine's prefill chunks (Drafter.prefill_chunk: the draft model,
+    # EAGLE); False: in one forward (DFlash runs its context rows with its first block)
+    prefill_chunked: bool = False
 
 
 NO_DRAFTER = DrafterMemory()
@@ -475,14 +543,15 @@ def target_embedding_copy_bytes(spec) -> int:
     return 4 * spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
 
 
-def _engine_prefill_tokens(bundle, backend: str) -> Optional[int]:
-    """TensorRT engines prefill in chunks of their prefill profile (runtime/backends/tensorrt.py), llama.cpp in
-    batches of GGUF_BATCH; the other backends prefill a prompt in one forward (None = the whole context)."""
+def _engine_prefill_tokens(bundle, backend: str, chunk: int) -> int:
+    """Tokens per target prefill forward: the engine's chunk (memory.prefill_chunk, backends/base.forward_in_chunks),
+    or less where the backend splits further: TensorRT engines into their prefill profile
+    (runtime/backends/tensorrt.py), llama.cpp into batches of GGUF_BATCH."""
     if backend == "gguf":
-        return GGUF_BATCH
+        return min(chunk, GGUF_BATCH)
     files = bundle.target.backends.get(backend) if backend == "tensorrt" else None
     profile = (files.params.get("profiles") or {}).get("prefill") if files is not None else None
-    return int(profile["max_tokens"]) if profile else None
+    return min(chunk, int(profile["max_tokens"])) if profile else chunk
 
 
 def backend_entry_key(backend: str, precision: str = "auto", bundle=None) -> str:
@@ -518,12 +587,14 @@ def _drafter_key(entry, backend: str, t_files) -> Optional[str]:
 
 
 def bundle_inputs(bundle, drafter: Optional[str], draft: DrafterMemory, backend: str, tree_tokens: int,
-                  precision: str = "auto") -> PlanInputs:
+                  precision: str = "auto", prefill_chunk: int = PREFILL_CHUNK,
+                  exceed_max_positions: bool = False) -> PlanInputs:
     """PlanInputs of a bundle as a Session loads it: numpy_ref holds every weight as float32; an ONNX graph
     (fp32, fp16, or `precision` int8 / int4: entry onnx.int8 / onnx.int4, MatMulNBits with a float32 head) and
     a GGUF (f16, q8_0, q4_K_M) weigh what their files weigh; a draft model without a graph for the backend runs
     in numpy (float32). `draft` is what the drafter entry `drafter` (None: no drafter) holds beyond the target,
-    as its kind declares it (runtime/drafters/registry.py `plan_inputs` fills both)."""
+    as its kind declares it (runtime/drafters/registry.py `plan_inputs` fills both). The prompt is prefilled in
+    chunks of `prefill_chunk`; contexts past the target's max_position_embeddings only with `exceed_max_positions`."""
     spec = bundle.target.spec
     target = dims_from_spec(spec)
     key = backend_entry_key(backend, precision, bundle)  # gguf: the chosen quant's entry, its file's size below
@@ -552,7 +623,9 @@ def bundle_inputs(bundle, drafter: Optional[str], draft: DrafterMemory, backend:
     return PlanInputs(target=target, drafter=draft.dims, precision=prec, head_precision=head_prec,
                       drafter_precision=draft.precision, kv_bytes=kv, drafter_extra_bytes=draft.extra_bytes,
                       tree_tokens=tree_tokens,
-                      prefill_tokens=_engine_prefill_tokens(bundle, backend),
+                      prefill_tokens=_engine_prefill_tokens(bundle, backend, prefill_chunk),
+                      exceed_max_positions=exceed_max_positions,
+                      drafter_prefill_tokens=prefill_chunk if draft.prefill_chunked else None,
                       overhead_bytes=overhead, overhead_note=overhead_note, target_file_bytes=file_bytes,
                       scratch_factor=ONNX_SCRATCH_FACTOR if backend not in ("numpy_ref", "gguf") else 1.0,
                       chunk_outputs=backend == "gguf", ggml=backend == "gguf",

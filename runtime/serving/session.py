@@ -21,7 +21,7 @@ from runtime.memory import plan as memory
 from runtime.text.actions import ActionTokenizer
 from runtime.backends.factory import open_model, resolve_backend
 from runtime.serving.blas import set_blas_threads
-from runtime.config import RuntimeConfig
+from runtime.config import MemoryConfig, RuntimeConfig
 from runtime.drafters import registry
 from runtime.drafters.base import Drafter
 from runtime.decode.engine import DecodeStats, Engine, StopCheck
@@ -140,6 +140,18 @@ def return_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
+def context_positions(mem: MemoryConfig, inp: memory.PlanInputs) -> int:
+    """memory.max_context, held to the target's max_position_embeddings: the default is cut to it, a larger value
+    given is refused (a ConfigError naming the key, the flag, the limit and the override), unless
+    memory.exceed_max_position_embeddings asks for more by name."""
+    inp = replace(inp, exceed_max_positions=mem.exceed_max_position_embeddings)
+    limit = memory.context_limit(inp)
+    if mem.max_context > limit and mem.max_context == MemoryConfig.max_context:
+        return limit  # not asked for: the default of a model with a shorter window
+    memory.check_context(inp, mem.max_context, "memory.max_context (--max-context)")
+    return mem.max_context
+
+
 def prompt_format(bundle, tokenizer: Tokenizer) -> PromptFormat:
     """The bundle's prompt format; a bundle from before it was recorded gets the zoo's when its tokenizer has
     the zoo's task tokens, else none (a planner request then says what to add)."""
@@ -215,8 +227,10 @@ class Session:
         # The plan (runtime/memory/plan.py) sizes the arena; an over-budget session is refused before any allocation.
         shapes = registry.cache_shapes(b, name)
         tree_tokens = registry.tree_tokens(b, name, num_tokens, config.drafter.branching)
-        self.plan_inputs = registry.plan_inputs(b, name, backend.kind, tree_tokens, backend.precision)
-        positions = config.memory.max_context
+        self.plan_inputs = registry.plan_inputs(b, name, backend.kind, tree_tokens, backend.precision,
+                                                config.memory.prefill_chunk,
+                                                config.memory.exceed_max_position_embeddings)
+        positions = wanted = context_positions(config.memory, self.plan_inputs)
         self.budget_bytes = int(config.memory.budget_mb * 2**20)
         if self.budget_bytes > 0:
             fit = memory.max_context(self.plan_inputs, self.budget_bytes)
@@ -225,7 +239,7 @@ class Session:
                                                         "this bundle"))
             positions = min(positions, fit)
         # A request longer than this is refused by the budget (not by max_context) before it runs.
-        self.budget_positions = positions if self.budget_bytes > 0 and positions < config.memory.max_context else None
+        self.budget_positions = positions if self.budget_bytes > 0 and positions < wanted else None
         # backend.precision picks the ONNX target graph (the float one, or a quantised one that then IS the target)
         files = (b.onnx_target(backend.precision) if backend.kind == "onnx" else
                  b.target_files(b.target_entry_key(backend.kind, backend.precision)))
@@ -248,7 +262,8 @@ class Session:
                     if config.decoding.lossy_typical_acceptance else verify_sampled)
         self.engine = Engine(self.target, self.drafter, eos_ids(b, self.prompts, self.tokenizer),
                              sampled_verifier=verifier, prefix_cache=config.memory.prefix_cache,
-                             policy=self.shape.policy, shape=self.shape.label)
+                             policy=self.shape.policy, shape=self.shape.label,
+                             prefill_chunk=config.memory.prefill_chunk)
         self._actions: Optional[ActionTokenizer] = None
         self._prefixes: Optional[list] = None  # the prompt templates' fixed starts (template_of), when first needed
         self._grammar_tokenizer: Optional[GrammarTokenizer] = None

@@ -29,10 +29,15 @@ def make_tokenizer(path: str, vocab_size: int = 400) -> int:
     return tok.get_vocab_size()
 
 
+# A random model has no trained window; this one's is wide enough for every context the tests ask of it (up to a
+# 32768-position arena), since a session refuses max_context past max_position_embeddings
+MAX_POSITIONS = 32768
+
+
 def save_random_llama(path: str, vocab: int, layers: int, hidden: int, seed: int, tokenizer: str) -> None:
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                                    num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                   head_dim=hidden // 4, max_position_embeddings=512, tie_word_embeddings=True,
+                                   head_dim=hidden // 4, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
                                    bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg).eval()

@@ -172,6 +172,40 @@ def test_final_norm_tap_and_tree_rows_equal_their_paths_run_alone(gguf_bundles):
 
 @needs_zoo
 @needs_llama
+def test_llamacpp_prefill_in_chunks_gives_one_forwards_logits_and_final_norm(gguf_bundles):
+    """A 100-token prompt in chunks of 16 (runtime/backends/base.forward_in_chunks) against one forward (llama.cpp
+    batches it itself, 512 at a time): the same logits and final_norm rows within f16 K/V rounding, and a
+    different prompt (the control) is far from them."""
+    from runtime.backends.base import forward_in_chunks
+    from runtime.backends.numpy_ref import cache_shape
+    from runtime.memory.kv import KVArena
+    from runtime.model import bundle
+
+    b = bundle.load(gguf_bundles["f16"])
+    spec = b.target.spec
+    shape = cache_shape(spec)
+
+    def model():
+        cache = KVArena.for_context({"t": shape}, 128, np.float16).allocate("t", shape, 128)
+        return LlamaCppTarget(spec, b.path("gguf/target.f16.gguf"), cache, tap_names=("final_norm",), threads=1)
+
+    prompt = np.random.default_rng(0).integers(3, spec.vocab_size, 100)
+    one, chunked = model(), model()
+    ref = one.forward(prompt, np.arange(100), None, ("final_norm",))
+    got = forward_in_chunks(chunked, prompt, np.arange(100), ("final_norm",), 16)
+    assert got.logits.shape == ref.logits.shape and chunked.cache_len == 100
+    scale = np.abs(ref.logits).max()
+    np.testing.assert_allclose(got.logits, ref.logits, rtol=0, atol=2e-3 * scale)
+    np.testing.assert_allclose(got.taps["final_norm"], ref.taps["final_norm"], rtol=0, atol=2e-3 * scale)
+    other = np.roll(prompt, 1)
+    one.reset()
+    assert np.abs(one.forward(other, np.arange(100)).logits - ref.logits).max() > 0.05 * scale
+    one.close()
+    chunked.close()
+
+
+@needs_zoo
+@needs_llama
 @pytest.mark.parametrize("quant", ["f16", "q8_0"])
 def test_greedy_speculative_decoding_on_llamacpp_equals_plain_decoding(gguf_bundles, quant):
     """The quantised GGUF is the target: draft model (chain and a branching-2 tree, the draft also on

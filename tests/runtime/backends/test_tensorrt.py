@@ -181,25 +181,6 @@ def test_a_past_padded_with_stale_rows_under_the_padded_mask_gives_the_unpadded_
     assert np.abs(leaked[0] - plain[0]).max() > 1e-2 * np.abs(plain[0]).max()
 
 
-def test_a_prompt_longer_than_the_prefill_profile_runs_as_causal_chunks_equal_to_one_forward(tiny_bundle):
-    """TensorRTTarget's chunking, driven through the numpy reference's forward (the same contract)."""
-    from runtime.backends.numpy_ref import NumpyTarget
-    from runtime.backends.tensorrt import TensorRTTarget
-
-    b = bundle_mod.load(tiny_bundle)
-    spec, weights = b.target.spec, read_safetensors(b.path(b.target.backends["numpy_ref"].files[0]))
-    shape = cache_shape(spec)
-    arena = KVArena.for_context({"a": shape, "b": shape}, 64)
-    one, chunked = (NumpyTarget(spec, weights, arena.allocate(n, shape, 64)) for n in ("a", "b"))
-    prompt = np.random.default_rng(0).integers(0, spec.vocab_size, 23)
-    ref = one.forward(prompt, np.arange(23), taps=("final_norm",))
-    got = TensorRTTarget._forward_chunked(chunked, prompt, np.arange(23), 8, ("final_norm",))
-    assert got.logits.shape == ref.logits.shape and chunked.cache_len == 23
-    np.testing.assert_allclose(got.logits, ref.logits, rtol=0, atol=1e-4 * np.abs(ref.logits).max())
-    np.testing.assert_allclose(got.taps["final_norm"], ref.taps["final_norm"], atol=1e-4)
-    np.testing.assert_allclose(chunked.cache.k[:23], one.cache.k[:23], atol=1e-5)
-
-
 # ---------------------------------------------------------------------------------------------- versions
 
 def test_the_l4t_release_is_read_from_nv_tegra_release():
@@ -253,9 +234,11 @@ def test_engines_are_installed_atomically_with_checksums_versions_and_profiles(t
     assert again.drafters[drafter].backends["tensorrt"].files == (engine_path(drafter),)
     assert again.files[TIMING_CACHE].size == len(b"timings")
     assert memory.bundle_kv_bytes(again, "tensorrt") == 2
-    # the plan counts the engine's chunked prefill (64 tokens), not a whole-context prefill
+    # the plan counts the engine's chunked prefill: its profile's 64 tokens, below memory.prefill_chunk; the
+    # other backends prefill in chunks of memory.prefill_chunk
     assert registry.plan_inputs(again, "none", "tensorrt", 5).prefill_tokens == 64
-    assert registry.plan_inputs(again, "none", "numpy_ref", 5).prefill_tokens is None
+    assert registry.plan_inputs(again, "none", "tensorrt", 5, prefill_chunk=32).prefill_tokens == 32
+    assert registry.plan_inputs(again, "none", "numpy_ref", 5).prefill_tokens == memory.PREFILL_CHUNK
     assert not [f for f in os.listdir(os.path.join(root, ENGINE_DIR)) if f.endswith(".tmp")]
     with open(os.path.join(root, ENGINE_DIR, "target.engine"), "ab") as f:
         f.write(b"x")

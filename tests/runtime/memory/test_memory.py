@@ -204,7 +204,8 @@ def test_int8_int4_onnx_and_gguf_entries_weigh_what_their_files_weigh(tiny_bundl
     gguf = registry.plan_inputs(b, "none", "gguf", 5)
     assert gguf.kv_bytes == 2 and gguf.prefill_tokens == memory.GGUF_BATCH  # llama.cpp: f16 K/V, batches of 512
     rows = {r.name: r.bytes for r in memory.plan_rows(gguf, 1000, 10**9)}
-    assert rows["prefill logits"] == 2 * 4 * 1000 * spec.vocab_size  # the batches' logits and their concatenation
+    # one prefill chunk's logits and their concatenation (the engine keeps only the last row of each chunk)
+    assert rows["prefill logits"] == 2 * 4 * memory.PREFILL_CHUNK * spec.vocab_size
     assert registry.plan_inputs(b, "none", "numpy_ref", 5).target_file_bytes is None  # widened to float32: the dims
 
 

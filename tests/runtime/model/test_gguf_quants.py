@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import pytest
 
+from runtime.drafters import registry
 from runtime.config import RuntimeConfig
 from runtime.errors import BundleError
 from runtime.memory import plan as memory
@@ -91,11 +92,11 @@ def test_the_memory_plan_weighs_the_chosen_quants_file(two_quants):
     sizes = {q: os.path.getsize(b.path(f"gguf/target.{q}.gguf")) for q in ("f16", "q8_0")}
     assert sizes["q8_0"] < sizes["f16"]
     for quant in ("f16", "q8_0"):
-        inp = memory.bundle_inputs(b, "draft_model", "gguf", 5, quant)
+        inp = registry.plan_inputs(b, "draft_model", "gguf", 5, quant)
         assert inp.target_file_bytes == sizes[quant]
         assert inp.precision == ("fp16" if quant == "f16" else quant)
         assert inp.drafter_precision == ("fp16" if quant == "f16" else quant)
-    assert memory.bundle_inputs(b, "none", "gguf", 1).target_file_bytes == sizes["f16"]  # auto: the most precise
+    assert registry.plan_inputs(b, "none", "gguf", 1).target_file_bytes == sizes["f16"]  # auto: the most precise
 
 
 def test_a_quant_the_bundle_lacks_is_refused_naming_the_ones_it_has_and_the_export_command(two_quants):

@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 
+from runtime.drafters import registry
 from runtime.errors import BudgetExceeded, RequestError
 from runtime.serving.limits import RequestLimits
 from runtime.serving.session import GenerationParams, Session
@@ -54,7 +55,7 @@ def test_a_request_over_the_memory_budget_is_a_refused_request_naming_its_field(
     from runtime.memory import plan as memory
     from runtime.model import bundle as bundle_io
 
-    inp = memory.bundle_inputs(bundle_io.load(tiny_bundle), "none", "numpy_ref", 1)
+    inp = registry.plan_inputs(bundle_io.load(tiny_bundle), "none", "numpy_ref", 1)
     cfg = RuntimeConfig(bundle=tiny_bundle)
     cfg = replace(cfg, drafter=replace(cfg.drafter, kind="none"),
                   memory=replace(cfg.memory, budget_mb=memory.budget_needed(inp, 200) / 2**20))
