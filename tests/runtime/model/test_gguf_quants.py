@@ -18,7 +18,6 @@ import pytest
 from runtime.drafters import registry
 from runtime.config import RuntimeConfig
 from runtime.errors import BundleError
-from runtime.memory import plan as memory
 from runtime.model import bundle as bundle_io
 from runtime.model.bundle import sha256_of
 from tests.support import REPO_ROOT
