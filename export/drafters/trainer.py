@@ -26,7 +26,6 @@ expected tau, the curve in work/curve.json), and `until_plateau` stops when that
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -40,6 +39,7 @@ import torch.nn.functional as F
 from export.drafters.data import DOMAINS
 from export.drafters.heldout import evaluate, plateaued, write_curve
 from export.drafters.parallel import Dist
+from export.training import lr_at, save_checkpoint  # noqa: F401 (the schedule and checkpoints every loop shares)
 
 
 @dataclass(frozen=True)
@@ -239,13 +239,6 @@ class OnTheFly:
 
 # ---- the loop -----------------------------------------------------------------------------------------------------
 
-def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
-    """Linear warmup over `warmup` steps, then cosine from peak to peak/10 as progress goes 0 -> 1."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
-
-
 def write_checkpoint(out_dir: str, weights: Dict[str, np.ndarray], config: Dict) -> List[str]:
     """A trained drafter in the official HF layout: out_dir/model.safetensors + out_dir/config.json, each written
     to a temporary name and renamed (atomic). Returns [model, config] paths."""
@@ -259,19 +252,6 @@ def write_checkpoint(out_dir: str, weights: Dict[str, np.ndarray], config: Dict)
         json.dump(config, f, indent=1)
     os.replace(path + ".tmp", path)
     return [model, path]
-
-
-def save_checkpoint(path: str, **state) -> None:
-    """torch.save to a temporary file beside `path`, then rename: a crash never leaves half a checkpoint."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        torch.save(state, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 @dataclass

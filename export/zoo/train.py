@@ -6,9 +6,7 @@ Every stage is deterministic from the seed. Training state is checkpointed to <o
 from __future__ import annotations
 
 import json
-import math
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional, Tuple
@@ -17,13 +15,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from export.training import lr_at, save_checkpoint
 from export.zoo.action_data import action_text, split_actions
 from export.zoo.loss_weights import ValueMarkers, prompt_and_answer, token_weights, value_mask
 from export.zoo.model import LlamaConfig, LlamaLM, load_hf, save_hf
 from export.zoo.planner_data import split_planner
 from export.zoo.text_data import load_works, split_text, training_corpus
 from export.zoo.tokenizer import strip_specials, train_tokenizer
-from runtime.text.prompts import BOS, EOS, PAD, SEP, SPECIAL_TOKENS, TEXT
+from runtime.text.prompts import BOS, EOS, TEXT
 
 DOMAINS = ("planner", "action", "text")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -182,13 +181,6 @@ def packed_inputs(ids, doc):
     return x, positions, mask, labels, mtp_labels
 
 
-def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
-    """Linear warmup over `warmup` steps, then cosine from peak to peak/10 as progress goes 0 -> 1."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
-
-
 def make_optimizer(model, lr):
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -240,12 +232,6 @@ class ThreadTuner:
             log("threads: " + ", ".join(f"{k}: {v:.2f}s/step" for k, v in sorted(med.items()))
                 + f" -> using {self.best}, next probe at step {self.next_probe}")
             self.times = {}
-
-
-def _save_ckpt(path, **state):
-    tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
 
 
 def _train_loop(name: str, model, steps: int, budget_s: float, peak_lr: float, cfg: BuildConfig,
@@ -300,7 +286,7 @@ def _train_loop(name: str, model, steps: int, budget_s: float, peak_lr: float, c
             log(f"{name} train loss by domain (last 100 steps): "
                 + " ".join(f"{d} {np.mean(v[-100:]):.3f}" for d, v in running.items() if v))
         if now - t_last_ckpt > cfg.checkpoint_every_s or finished:
-            _save_ckpt(ckpt, model=model.state_dict(), opt=opt.state_dict(), step=step + 1,
+            save_checkpoint(ckpt, model=model.state_dict(), opt=opt.state_dict(), step=step + 1,
                        elapsed=elapsed + now - t0, finished=finished)
             t_last_ckpt = now
         step += 1
