@@ -101,13 +101,14 @@ def forward_in_chunks(target: TargetBackend, tokens: np.ndarray, positions: np.n
     positions = np.asarray(positions, np.int64)
     if chunk < 1 or len(tokens) == 0:
         raise ValueError(f"a chunked forward of {len(tokens)} tokens in chunks of {chunk}: expected >= 1 of each")
-    logits, got = [], {name: [] for name in taps}
+    names = list(dict.fromkeys(taps))  # a tap named twice (EAGLE-3's on a shallow target) is one tap
+    logits, got = [], {name: [] for name in names}
     for s in range(0, len(tokens), chunk):
-        res = target.forward(tokens[s:s + chunk], positions[s:s + chunk], None, taps)
+        res = target.forward(tokens[s:s + chunk], positions[s:s + chunk], None, tuple(names))
         last = s + chunk >= len(tokens)
         if all_logits or last:
             logits.append(res.logits if all_logits else res.logits[-1:])
-        for name in taps:
+        for name in names:
             got[name].append(res.taps[name])
     one = len(logits) == 1  # a prompt within one chunk: no copy
     return ForwardResult(logits=logits[0] if one else np.concatenate(logits),

@@ -88,3 +88,15 @@ def test_onnx_prefill_in_chunks_gives_one_forwards_logits_and_taps(model, tmp_pa
     chunked.reset()
     got = forward_in_chunks(chunked, prompt, np.arange(PROMPT), TAPS, CHUNK)
     assert rel_err(got.logits, oracle.forward(prompt, np.arange(PROMPT), None, TAPS).logits) <= 1e-4
+
+
+def test_a_tap_named_twice_comes_out_once_with_one_row_per_prompt_token(model):
+    """EAGLE-3 on a shallow target names one layer twice (taps [2, 2, 1] of 4 layers): the prefill gives that tap
+    one (T, H) array, as one forward does, not its rows twice."""
+    spec, weights = model
+    _, b = two_caches(spec)
+    prompt = np.random.default_rng(2).integers(0, spec.vocab_size, PROMPT)
+    got = forward_in_chunks(NumpyTarget(spec, weights, b), prompt, np.arange(PROMPT),
+                            ("layer_in.2", "layer_in.2", "layer_in.0"), CHUNK, all_logits=False)
+    assert sorted(got.taps) == ["layer_in.0", "layer_in.2"]
+    assert all(v.shape == (PROMPT, spec.hidden_size) for v in got.taps.values())
