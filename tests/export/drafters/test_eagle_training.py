@@ -10,6 +10,7 @@ from export.drafters.eagle import load_eagle
 from export.drafters.eagle_train import EagleTask
 from export.drafters.trainer import TrainConfig, target_batch, train
 from export.zoo.model import LlamaConfig, LlamaLM
+from runtime.drafters.shared import tree_mask
 from runtime.drafters.eagle import EagleDrafter
 from runtime.memory.kv import CacheShape, KVArena
 from runtime.model.spec import ModelSpec
@@ -57,7 +58,7 @@ def test_unrolled_training_steps_equal_the_runtime_drafters_chain_rows(tmp_path,
     rows = []
     for j in (1, 2):  # depth-j row: own feature, the true token x_{root+j+1}, position root + j
         start = drafter.cache.length
-        out = drafter._run(h, [tokens[root + j + 1]], np.asarray([root + j]), drafter._tree_mask([rows], start))
+        out = drafter._run(h, [tokens[root + j + 1]], np.asarray([root + j]), tree_mask(drafter.committed_rows, [rows], start))
         rows.append(start)
         h = out
         np.testing.assert_allclose(drafter._logits(out)[0], steps[j][0, root + j].numpy(), atol=atol, rtol=0)

@@ -92,4 +92,4 @@ def test_standin_bundle_gets_the_padded_drafters_under_the_zoo_names(zoo_and_sta
     params = GenerationParams(max_tokens=12)
     plain = Session.open(out, drafter="none", backend="numpy_ref").generate("To be, or not to be", params)
     res = Session.open(out, drafter="dflash2_b8", backend="numpy_ref").generate("To be, or not to be", params)
-    assert res.token_ids == plain.token_ids and res.stats.drafter == "dflash2" and res.stats.cycles > 0
+    assert res.token_ids == plain.token_ids and res.stats.drafter == "dflash2_b8" and res.stats.cycles > 0
