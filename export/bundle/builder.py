@@ -141,7 +141,7 @@ def external_mtp(mtp_dir: str, spec, own: Dict[str, np.ndarray], target_dir: str
         found = stray[:3] or f"eh_proj {None if proj is None else proj.shape}"
         raise BundleError(f"--mtp {mtp_dir}: expected one MTP module after the target's {spec.num_layers} layers "
                           f"({prefix}*, eh_proj ({spec.hidden_size}, {2 * spec.hidden_size})), found {found}; "
-                          "train it for this target with `edgespec train-drafter mtp --target DIR`")
+                          "train it for this target with `edgespec train-drafter mtp --target DIR --out DIR`")
     return weights
 
 
