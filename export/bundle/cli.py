@@ -9,7 +9,7 @@ from runtime.errors import ConfigError
 HELP = """Build a bundle from HF model directories (config.json + safetensors; Llama, Qwen2 or Qwen3).
 
 The target's MTP module (DeepSeek-V3 keys at model.layers.N; or, for a target without one, the module
-`edgespec train-drafter mtp` wrote, given with --mtp DIR) becomes the bundle's `mtp` drafter, a
+`edgespec train-drafter mtp --target DIR --out DIR` wrote, given with --mtp DIR) becomes the bundle's `mtp` drafter, a
 --draft directory becomes its `draft_model` drafter, --medusa heads its `medusa` (tree) and `medusa_chain`
 drafters, --eagle an EAGLE-1 head its `eagle` (chain) and `eagle2` (EAGLE-2 dynamic tree) drafters, --eagle3 an
 EAGLE-3 head its `eagle3` (dynamic tree) and `eagle3_chain` drafters, and the n-gram drafter is always there.
@@ -51,8 +51,8 @@ def register(sub) -> None:
                         "adds the drafters medusa (a tree) and medusa_chain")
     p.add_argument("--eagle", metavar="DIR", help="an EAGLE-1 head (config.json + model.safetensors; official, vLLM "
                                                   "or speculators layout): drafters eagle and eagle2")
-    p.add_argument("--mtp", metavar="DIR", help="an MTP module trained for a target that has none (`edgespec "
-                   "train-drafter mtp`: model.safetensors with DeepSeek-V3 keys model.layers.N.*): the `mtp` drafter")
+    p.add_argument("--mtp", metavar="DIR", help="an MTP module trained for a target that has none (`edgespec train-drafter "
+                   "mtp --target DIR --out DIR`: model.safetensors with DeepSeek-V3 keys model.layers.N.*): the `mtp` drafter")
     p.add_argument("--eagle3", metavar="DIR", help="an EAGLE-3 head (same layouts): drafters eagle3 and eagle3_chain")
     p.add_argument("--dflash", action="append", default=[], metavar="DIR",
                    help="official DFlash or DFlash-2 drafter directory (z-lab layout); repeatable, one of each kind; "
