@@ -230,6 +230,9 @@ def run(args) -> int:
                           "examples: the last of fewer than 20, else every 20th, is held out)")
     result = train(task, target, data, cfg, work, resume=args.resume, log=log, source=source, heldout=heldout)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # every rank done with the last all-reduce before the group goes (a rank tearing gloo down while its peer
+        # still talks to it aborts: "terminate called without an active exception")
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     if dist.rank != 0:
         return 0
