@@ -164,6 +164,7 @@ class AdaptivePolicy:
     probes: int = 0
     _verify: Dict[int, float] = field(default_factory=dict)  # learnt seconds per verify rows (EMA)
     _draft: Optional[float] = None  # learnt seconds per drafted node (EMA)
+    _best: Dict[str, int] = field(default_factory=dict)  # best_depth per template, until its inputs change
 
     def tracker(self, key: str) -> AcceptanceTracker:
         if key not in self.trackers:
@@ -172,7 +173,9 @@ class AdaptivePolicy:
 
     def budget(self, key: str) -> int:
         """The node budget for the next cycle of a request of template `key`."""
-        k = best_depth(self.tracker(key).alphas(self.k_max), self.current_cost(), self.k_max)
+        k = self._best.get(key)
+        if k is None:  # recomputed only when what it depends on moved: a cycle that drafts nothing costs a lookup
+            k = self._best[key] = best_depth(self.tracker(key).alphas(self.k_max), self.current_cost(), self.k_max)
         if k > 0:
             self.idle[key] = 0
             return k
@@ -188,8 +191,11 @@ class AdaptivePolicy:
                 draft_s: float) -> None:
         """What the cycle drafted (its depth), accepted, and how long its verify and drafting took."""
         self.tracker(key).observe(drafted, accepted)
+        if drafted > 0:
+            self._best.pop(key, None)  # its acceptance moved
         if not self.learn_costs:
             return
+        self._best.clear()  # the costs move with every cycle's timing
         old = self._verify.get(verify_rows)
         self._verify[verify_rows] = verify_s if old is None else 0.8 * old + 0.2 * verify_s
         if drafted > 0:
