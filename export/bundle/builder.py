@@ -111,19 +111,26 @@ def check_output(out: str, inputs: Sequence[str], force: bool = False) -> None:
                           f"--bundle {out} --eagle3 DIR`, remove-drafter, set-prompts")
 
 
+def swap_in(staged: str, real: str) -> str:
+    """Put directory `staged` at `real` and return where the old `real` went (`staged` + ".old", for the caller to
+    drop): rename(2) cannot replace a non-empty directory, so the old one moves aside first and comes back if the
+    second rename fails."""
+    old = staged + ".old"
+    os.rename(real, old)
+    try:
+        os.rename(staged, real)
+    except OSError:
+        os.rename(old, real)
+        raise
+    return old
+
+
 def _publish(staged: str, out: str) -> None:
     """Move the finished bundle `staged` to `out`, replacing what check_output allowed to be replaced."""
     if not os.path.lexists(out):
         os.rename(staged, out)
         return
-    old = staged + ".old"
-    os.rename(out, old)  # rename(2) cannot replace a non-empty directory: swap, then drop the old one
-    try:
-        os.rename(staged, out)
-    except OSError:
-        os.rename(old, out)
-        raise
-    shutil.rmtree(old)
+    shutil.rmtree(swap_in(staged, out))
 
 
 def external_mtp(mtp_dir: str, spec, own: Dict[str, np.ndarray], target_dir: str) -> Dict[str, np.ndarray]:

@@ -22,6 +22,7 @@ import shutil
 import tempfile
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, TypeVar
 
+from export.bundle.builder import swap_in
 from runtime.errors import BundleError, ConfigError
 from runtime.model import bundle as bundle_io
 from runtime.model.bundle import MANIFEST, BundleWriter, gguf_entries
@@ -62,13 +63,7 @@ def _tree(root: str) -> Set[str]:
 
 def _swap(staged: str, real: str, copied: Set[str]) -> None:
     """Put `staged` at `real`; a file that appeared in `real` during the edit (not in `copied`) moves across."""
-    old = staged + ".old"
-    os.rename(real, old)  # rename(2) cannot replace a non-empty directory: swap, then drop the old one
-    try:
-        os.rename(staged, real)
-    except OSError:
-        os.rename(old, real)
-        raise
+    old = swap_in(staged, real)
     for rel in sorted(_tree(old) - copied):
         src, dst = os.path.join(old, rel), os.path.join(real, rel)
         if not os.path.lexists(dst) and not os.path.isdir(src):

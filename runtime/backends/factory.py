@@ -27,15 +27,18 @@ def resolve_backend(kind: str, bundle: Bundle, precision: str = "auto",
     if reason is None:
         return "onnx"
     line = f"backend auto: running numpy_ref (exact, several times slower than onnx) because {reason}"
-    if note is not None:
-        note(line)
-    elif (bundle.root, line) not in _SAID:
-        _SAID.add((bundle.root, line))
-        print(line, file=sys.stderr)
+    (note or say_once)(line)
     return "numpy_ref"
 
 
-_SAID: set = set()  # (bundle, line) already printed: a bench opening ten sessions says it once
+_SAID: set = set()  # lines already printed: a bench opening ten sessions says each once
+
+
+def say_once(line: str) -> None:
+    """One line for the operator on stderr, once per process (a fallback, a tune that is not used)."""
+    if line not in _SAID:
+        _SAID.add(line)
+        print(line, file=sys.stderr)
 
 
 def auto_fallback_reason(bundle: Bundle, precision: str, have_onnxruntime: bool) -> Optional[str]:

@@ -17,6 +17,7 @@ import numpy as np
 from runtime.commands.bench import bench_prompts, read_prompts
 from runtime.commands.bench_backend import CONTROL, interleaved_grid
 from runtime.commands.common import add_model_args, runtime_config, split_list
+from runtime.decode.engine import policy_key
 from runtime.errors import ConfigError, EdgespecError
 from runtime.serving.session import DRAFTER_CHOICES, GenerationParams, Session
 from runtime.serving.tuning import machine_fingerprint, template_of, template_prefixes, write_tune
@@ -90,10 +91,10 @@ def measure_drafter(session: Session, prompts: List[str], temps: Sequence[float]
     for t in temps:
         for i, prompt in enumerate(prompts):
             ids = session.tokenizer.encode(prompt)
-            name = template_of(ids, prefixes) or "prefix " + ",".join(str(int(x)) for x in ids[:4])
-            out = session.generate(prompt, GenerationParams(max_tokens=max_tokens, temperature=t, seed=i))
+            params = GenerationParams(max_tokens=max_tokens, temperature=t, seed=i)
+            out = session.generate(prompt, params)
             s = out.stats
-            key = f"{name}/{'greedy' if t == 0 else 'sampled'}"
+            key = policy_key(template_of(ids, prefixes), ids, params.sampling())  # the key the rule will look up
             by_key.setdefault(key, []).append((s.cycles, s.acceptance_by_depth))
             draft_s += s.draft_s
             cycles += s.cycles

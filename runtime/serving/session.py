@@ -9,7 +9,6 @@ import ctypes
 import gc
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Sequence
@@ -19,7 +18,7 @@ import numpy as np
 from runtime.model import bundle as bundle_io
 from runtime.memory import plan as memory
 from runtime.text.actions import ActionTokenizer
-from runtime.backends.factory import open_model, resolve_backend
+from runtime.backends.factory import open_model, resolve_backend, say_once
 from runtime.serving.blas import set_blas_threads
 from runtime.config import MemoryConfig, RuntimeConfig
 from runtime.drafters import registry
@@ -175,9 +174,6 @@ def eos_ids(bundle, prompts: PromptFormat, tokenizer: Tokenizer) -> List[int]:
     return sorted(eos)
 
 
-_SAID: set = set()  # one-line notes already printed in this process
-
-
 @contextlib.contextmanager
 def prompt_named(fields: Dict[str, str]):
     """A refusal of the prompt (too long for the context or the budget) names the request field it came from:
@@ -220,9 +216,8 @@ class Session:
         self.shape = choose_shape(config.drafter.shape, config.bundle, backend.kind, str(precision_key), name,
                                   config.drafter.num_tokens)
         self.shape_precision = str(precision_key)  # what a tune of this session is keyed by, with backend and machine
-        if self.shape.note and self.shape.note not in _SAID:  # a tune of another machine: said once, not used
-            _SAID.add(self.shape.note)
-            print(f"edgespec: {self.shape.note}", file=sys.stderr)
+        if self.shape.note:  # a tune of another machine: said once, not used
+            say_once(f"edgespec: {self.shape.note}")
         num_tokens = self.shape.num_tokens
         # The plan (runtime/memory/plan.py) sizes the arena; an over-budget session is refused before any allocation.
         shapes = registry.cache_shapes(b, name)

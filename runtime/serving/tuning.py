@@ -116,8 +116,8 @@ def choose_shape(shape: str, bundle_dir: str, backend: str, precision: str, draf
         raise BundleError(f"drafter.shape: got {shape!r}, expected one of {list(SHAPES)}")
     if drafter == "none" or shape == "fixed":
         return ShapeChoice(None, num_tokens, "fixed")
-    me = machine_fingerprint()
     tunes = [t for t in read_tunes(bundle_dir) if t.get("backend") == backend and t.get("precision") == precision]
+    me = machine_fingerprint() if tunes else {}
     mine = next((t for t in tunes if (t.get("machine") or {}).get("id") == me["id"]), None)
     note = ""
     if mine is None and tunes:
