@@ -4,6 +4,7 @@ every option says what it does, and every command a message suggests is one that
 from __future__ import annotations
 
 from tests.support import REPO_ROOT
+import argparse
 import ast
 import glob
 import json
@@ -107,6 +108,21 @@ def test_every_option_says_what_it_does(command):
     missing = [a.option_strings[0] for a in subparser(command)._actions
                if a.option_strings and a.dest != "help" and not (a.help or "").strip()]
     assert not missing, f"edgespec {command}: options without help: {missing}"
+
+
+def every_parser(parser, path=("edgespec",)):
+    """(command path, parser) for the top level and every subcommand below it, depth first."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from every_parser(sub, path + (name,))
+
+
+def test_every_command_and_subcommand_prints_its_help():
+    # a bare % in a help string ("~7 % of the target") made `edgespec zoo standin --help` a traceback
+    for path, parser in every_parser(build_parser()):
+        assert "usage:" in parser.format_help(), " ".join(path)
 
 
 def test_the_top_level_help_lists_every_drafter_kind_train_drafter_trains(capsys):
