@@ -71,19 +71,19 @@ def _files_under(root: str) -> List[str]:
                   for d, _, names in os.walk(root) for n in names)
 
 
-def check_output(out: str, inputs: Sequence[str], force: bool = False) -> None:
+def check_output(out: str, inputs: Sequence[str], force: bool = False, flag: str = "--out") -> None:
     """Refuse an output directory whose replacement could lose data we did not write (see the module doc)."""
     real_out = os.path.realpath(out)
     for given in inputs:
         real_in = os.path.realpath(given)
         if _inside(real_in, real_out) or _inside(real_out, real_in):
             how = "is" if real_in == real_out else ("holds" if _inside(real_in, real_out) else "lies inside")
-            raise BundleError(f"--out {out} {how} the input {given}; writing there could destroy the checkpoint. "
+            raise BundleError(f"{flag} {out} {how} the input {given}; writing there could destroy the checkpoint. "
                               "Choose an output directory outside every input")
     if not os.path.lexists(out):
         return
     if not os.path.isdir(out) or os.path.islink(out):
-        raise BundleError(f"--out {out} exists and is not a directory; choose a new directory")
+        raise BundleError(f"{flag} {out} exists and is not a directory; choose a new directory")
     present = _files_under(out)
     if not present:
         return  # an empty directory holds nothing to lose
@@ -97,16 +97,16 @@ def check_output(out: str, inputs: Sequence[str], force: bool = False) -> None:
     except (OSError, yaml.YAMLError):
         pass
     if listed is None:
-        raise BundleError(f"--out {out} is not empty and is not an edgespec bundle (it holds {present[:3]}"
+        raise BundleError(f"{flag} {out} is not empty and is not an edgespec bundle (it holds {present[:3]}"
                           f"{' ...' if len(present) > 3 else ''}); edgespec never deletes what it did not write. "
                           "Choose a new or empty directory")
     foreign = [p for p in present if p not in listed]
     if foreign:
-        raise BundleError(f"--out {out} is an edgespec bundle but also holds files its manifest does not list "
+        raise BundleError(f"{flag} {out} is an edgespec bundle but also holds files its manifest does not list "
                           f"({foreign[:3]}{' ...' if len(foreign) > 3 else ''}); edgespec never deletes what it did "
                           "not write. Move them away, or choose a new directory")
     if not force:
-        raise BundleError(f"--out {out} already holds a bundle; pass --force to replace it (its ONNX / GGUF "
+        raise BundleError(f"{flag} {out} already holds a bundle; pass --force to replace it (its ONNX / GGUF "
                           f"exports go with it), or change it in place, keeping them: `edgespec bundle add-drafter "
                           f"--bundle {out} --eagle3 DIR`, remove-drafter, set-prompts")
 
@@ -156,7 +156,7 @@ def build_bundle(target_dir: str, out: str, draft_dir: Optional[str] = None, nam
                  default_drafter: Optional[str] = None, force: bool = False,
                  extend: Optional[Callable[[str], None]] = None, prompts: Optional[Dict[str, str]] = None,
                  report: Callable[[str], None] = lambda note: None, medusa: Optional[str] = None,
-                 dflash_dirs: Sequence[str] = (), mtp_dir: Optional[str] = None) -> str:
+                 dflash_dirs: Sequence[str] = (), mtp_dir: Optional[str] = None, flag: str = "--out") -> str:
     """Write `out` as a numpy_ref bundle; `extend(staged_dir)` may add other backends' files before the
     bundle is renamed into place. `prompts`: the user's prompt files (keyword arguments of
     export.bundle.prompts.bundle_prompts: prompts_file, chat_template_file, planner_file, action_file); `report`
@@ -165,7 +165,7 @@ def build_bundle(target_dir: str, out: str, draft_dir: Optional[str] = None, nam
     named by its kind; `mtp_dir`: an MTP module trained for a target without one (see `external_mtp`). Returns `out`. Refuses outputs per `check_output`."""
     inputs = [d for d in (target_dir, draft_dir, medusa, mtp_dir) if d] + [f for f in (prompts or {}).values() if f] \
         + list(dflash_dirs)
-    check_output(out, inputs, force)
+    check_output(out, inputs, force, flag)
     name = name or os.path.basename(os.path.normpath(os.path.abspath(out)))
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)

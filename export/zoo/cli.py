@@ -45,6 +45,10 @@ def _standin(args) -> int:
 
     zoo = args.zoo or DEFAULT_OUT
     t0 = time.perf_counter()
+    if args.bundle:  # refuse the bundle's directory before minutes of writing the stand-in, not after
+        from export.bundle.builder import check_output
+
+        check_output(args.bundle, [zoo, args.out], args.force, flag="--bundle")
     if args.robot:  # a robot model's proportions (BENCHMARKS.md, "The stand-in"): deep, ~0.5 GB fp32, a 7 % draft
         args.depth = args.depth or 24
         args.hidden, args.intermediate, args.kv_heads = 512, 3072, 8
@@ -84,7 +88,7 @@ def _standin(args) -> int:
 
         medusa = os.path.join(args.out, "medusa")  # the zoo's Medusa heads, widened by write_standin
         build_bundle(args.out, args.bundle, draft, name=name, force=args.force,
-                     extend=add_onnx, medusa=medusa if os.path.isdir(medusa) else None)
+                     extend=add_onnx, medusa=medusa if os.path.isdir(medusa) else None, flag="--bundle")
         print(f"standin: bundle {args.bundle} (name {name}) ready in {time.perf_counter() - t0:.0f} s")
     return 0
 

@@ -74,3 +74,16 @@ def test_a_widening_that_would_drop_a_head_or_channel_is_refused_naming_the_flag
     with pytest.raises(ConfigError, match=f"^{flag}: got"):
         widen({}, {"hidden_size": 256, "intermediate_size": 768, "head_dim": 32, "num_attention_heads": 8,
                    "num_key_value_heads": 4, "rms_norm_eps": 1e-5}, hidden, inter, kv)
+
+
+def test_a_bundle_directory_that_would_be_replaced_is_refused_before_the_standin_is_written(tmp_path, capsys):
+    from runtime.cli import main
+
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "bundle.yaml").write_text("format_version: 1\nfiles: {}\n")  # an edgespec bundle already there
+    out = tmp_path / "standin"
+    code = main(["zoo", "standin", "--out", str(out), "--bundle", str(bundle)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--bundle {bundle} already holds a bundle; pass --force" in err, err
+    assert not out.exists()  # refused first: nothing written, no minutes spent
