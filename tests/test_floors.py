@@ -9,7 +9,7 @@ Floors of runtime/, bottom to top (docs/architecture.md draws them):
   2 runtime.model     spec, layers, tensors, bundle
   3 runtime.memory    kv arena, the memory plan
   4 runtime.backends  numpy_ref, onnx, llamacpp, tensorrt
-  5 runtime.drafters  one file per drafter kind, on drafters.base / drafters.shared
+  5 runtime.drafters  one file per drafter kind, on drafters.base / drafters.shared / drafters.heads
   6 runtime.decode    the engine
   7 runtime.certify   the statistical test of the engine
   8 runtime.serving   Session: bundle + backend + drafter + tokenizer
