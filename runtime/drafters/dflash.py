@@ -28,6 +28,7 @@ from runtime.drafters.heads import HeadRunner, head_graphs
 from runtime.drafters.shared import pick, ranking_params
 from runtime.errors import BundleError
 from runtime.memory import plan as memory_plan
+from runtime.memory.bundle_sizes import entry_numel, target_embedding_copy_bytes
 from runtime.memory.kv import KVCache
 from runtime.model.layers import apply_rope, attention, rms_norm, rope_cos_sin, rope_inv_freq, silu
 from runtime.model.spec import ModelSpec
@@ -391,9 +392,9 @@ def memory(bundle, entry, p: DFlashParams, backend: str) -> memory_plan.DrafterM
     taps = len(p.target_layer_ids) or 1
     draft = replace(memory_plan.dims_from_spec(entry.spec), own_embedding=False, head_rows=0,
                     fusion_in=taps * spec.hidden_size)
-    extra = 4 * max(0, memory_plan.entry_numel(bundle, entry) - draft.body_params())
+    extra = 4 * max(0, entry_numel(bundle, entry) - draft.body_params())
     if backend != "numpy_ref":
-        extra += memory_plan.target_embedding_copy_bytes(spec)
+        extra += target_embedding_copy_bytes(spec)
     return memory_plan.DrafterMemory(draft, "fp32", extra)
 
 

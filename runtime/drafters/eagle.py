@@ -32,6 +32,7 @@ from runtime.drafters.heads import HeadRunner, head_graphs
 from runtime.drafters.shared import grow_chains, ranking_params, tree_mask
 from runtime.errors import BundleError
 from runtime.memory import plan as memory_plan
+from runtime.memory.bundle_sizes import target_embedding_copy_bytes
 from runtime.memory.kv import KVCache
 from runtime.model.layers import causal_mask, decoder_layer, rms_norm, rope_cos_sin, rope_inv_freq
 from runtime.model.spec import ModelSpec
@@ -393,7 +394,7 @@ def memory(bundle, entry, p: EagleParams, backend: str) -> memory_plan.DrafterMe
     """Its layer in float32 numpy; beside a graph target, its own float32 copy of the target's embedding (and head)."""
     if entry.spec is None:
         return memory_plan.NO_DRAFTER
-    extra = memory_plan.target_embedding_copy_bytes(bundle.target.spec) if backend != "numpy_ref" else 0
+    extra = target_embedding_copy_bytes(bundle.target.spec) if backend != "numpy_ref" else 0
     return memory_plan.DrafterMemory(eagle_dims(entry, p), "fp32", extra, prefill_chunked=True)
 
 

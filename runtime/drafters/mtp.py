@@ -38,7 +38,8 @@ from runtime.drafters.heads import HeadRunner, head_graphs
 from runtime.drafters.shared import pick
 from runtime.errors import BundleError
 from runtime.memory.kv import CacheShape, KVCache
-from runtime.memory.plan import DrafterMemory, entry_numel, target_embedding_copy_bytes
+from runtime.memory.bundle_sizes import entry_numel, target_embedding_copy_bytes
+from runtime.memory.plan import DrafterMemory
 from runtime.model.layers import (causal_mask, decoder_layer, decoder_layer_weight_names, rms_norm, rope_cos_sin,
                             rope_inv_freq)
 from runtime.model.spec import ModelSpec

@@ -15,7 +15,7 @@ import runtime.drafters as package
 from runtime.config import BackendConfig
 from runtime.drafters.base import Drafter, DrafterBuild, DrafterSpec
 from runtime.errors import BundleError
-from runtime.memory import plan as memory
+from runtime.memory import bundle_sizes, plan as memory
 from runtime.memory.kv import CacheShape, KVArena
 
 # The package's modules that are not a kind: the interface, the shared pieces and this list.
@@ -81,7 +81,7 @@ def cache_shapes(bundle, name: str) -> Dict[str, CacheShape]:
     """Every cache a Session with this drafter allocates: the target's and the drafter's."""
     found = resolve(bundle, name)
     own = {} if found is None else found[0].cache_shapes(found[1], found[2], bundle.target.spec)
-    return memory.bundle_cache_shapes(bundle, own)
+    return bundle_sizes.bundle_cache_shapes(bundle, own)
 
 
 def tree_tokens(bundle, name: str, num_tokens: int, branching: int) -> int:
@@ -104,5 +104,5 @@ def plan_inputs(bundle, name: str, backend: str, tree_tokens: int, precision: st
                 prefill_chunk: int = memory.PREFILL_CHUNK, exceed_max_positions: bool = False) -> memory.PlanInputs:
     """The memory plan's inputs for a bundle served with drafter `name` ("none": plain decoding) on `backend`,
     prefilling in chunks of `prefill_chunk` (and past max_position_embeddings only with `exceed_max_positions`)."""
-    return memory.bundle_inputs(bundle, None if name == "none" else name, drafter_memory(bundle, name, backend),
+    return bundle_sizes.bundle_inputs(bundle, None if name == "none" else name, drafter_memory(bundle, name, backend),
                                 backend, tree_tokens, precision, prefill_chunk, exceed_max_positions)
