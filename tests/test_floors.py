@@ -7,7 +7,7 @@ Floors of runtime/, bottom to top (docs/architecture.md draws them):
     runtime.sampling, runtime.siblings
   1 runtime.text      tokenizer, templates, prompts, actions, grammar
   2 runtime.model     spec, layers, tensors, bundle
-  3 runtime.memory    kv arena, the memory plan
+  3 runtime.memory    kv arena, the memory plan, a bundle's sizes, budgets and devices
   4 runtime.backends  numpy_ref, onnx, llamacpp, tensorrt
   5 runtime.drafters  one file per drafter kind, on drafters.base / drafters.shared / drafters.heads
   6 runtime.decode    the engine
