@@ -31,7 +31,7 @@ FLOORS = {"runtime.errors": 0, "runtime.config": 0, "runtime.verify": 0, "runtim
           "runtime.drafters": 5, "runtime.decode": 6, "runtime.certify": 7, "runtime.serving": 8,
           "runtime.commands": 9, "runtime.cli": 9}
 SHARED_DRAFTER_MODULES = {"runtime.drafters.base", "runtime.drafters.shared", "runtime.drafters.heads"}
-DRAFTER_REGISTRY = "runtime.drafters.registry"  # the one module that lists (imports) every drafter kind
+DRAFTER_REGISTRY = "runtime.drafters.registry"  # the one module that reaches every drafter kind (it finds them)
 
 
 def _modules(package: str) -> Dict[str, str]:

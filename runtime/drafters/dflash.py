@@ -283,12 +283,14 @@ class DFlashDrafter(Drafter):
                 h = self._layer(i, h, ctx, cos_c, sin_c, cos_b, sin_b)
             return rms_norm(h[1:], self.w["norm.weight"], eps)
 
-        feeds = {"context": fused.astype(np.float32), "block": x, "context_cos": cos_c, "context_sin": sin_c,
-                 "block_cos": cos_b, "block_sin": sin_b}
+        def feeds(_start: int) -> Dict[str, np.ndarray]:
+            return {"context": fused.astype(np.float32), "block": x, "context_cos": cos_c, "context_sin": sin_c,
+                    "block_cos": cos_b, "block_sin": sin_b}
+
         # context rows persist, the block's are dropped (the graph returns the context rows' K/V only);
         # ORT refuses zero-row inputs: numpy takes those calls
-        out = self.head_runner.run(c + block_size, numpy_step, lambda _start: feeds, lambda got: got["hidden"],
-                                   keep=c, use_graph=c > 0 and block_size > 1)
+        out = self.head_runner.run(c + block_size, numpy_step, feeds, lambda got: got["hidden"], keep=c,
+                                   use_graph=c > 0 and block_size > 1)
         self.pending = []
         return out, out @ self.head.T
 
