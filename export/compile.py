@@ -133,7 +133,7 @@ def gguf_quant(precision, quant) -> str:
 def run_tensorrt(args: argparse.Namespace) -> int:
     from runtime.model import bundle as bundle_mod
     from runtime.errors import BundleError
-    from runtime.memory.plan import parse_budget
+    from runtime.memory.devices import parse_budget
 
     _check(args)
     budget = parse_budget(args.budget) if args.budget is not None else None

@@ -7,9 +7,9 @@ Floors of runtime/, bottom to top (docs/architecture.md draws them):
     runtime.sampling, runtime.siblings
   1 runtime.text      tokenizer, templates, prompts, actions, grammar
   2 runtime.model     spec, layers, tensors, bundle
-  3 runtime.memory    kv arena, the memory plan
+  3 runtime.memory    kv arena, the memory plan, a bundle's sizes, budgets and devices
   4 runtime.backends  numpy_ref, onnx, llamacpp, tensorrt
-  5 runtime.drafters  one file per drafter kind, on drafters.base / drafters.shared
+  5 runtime.drafters  one file per drafter kind, on drafters.base / drafters.shared / drafters.heads
   6 runtime.decode    the engine
   7 runtime.certify   the statistical test of the engine
   8 runtime.serving   Session: bundle + backend + drafter + tokenizer
@@ -30,8 +30,8 @@ FLOORS = {"runtime.errors": 0, "runtime.config": 0, "runtime.verify": 0, "runtim
           "runtime.text": 1, "runtime.model": 2, "runtime.memory": 3, "runtime.backends": 4,
           "runtime.drafters": 5, "runtime.decode": 6, "runtime.certify": 7, "runtime.serving": 8,
           "runtime.commands": 9, "runtime.cli": 9}
-SHARED_DRAFTER_MODULES = {"runtime.drafters.base", "runtime.drafters.shared"}
-DRAFTER_REGISTRY = "runtime.drafters.registry"  # the one module that lists (imports) every drafter kind
+SHARED_DRAFTER_MODULES = {"runtime.drafters.base", "runtime.drafters.shared", "runtime.drafters.heads"}
+DRAFTER_REGISTRY = "runtime.drafters.registry"  # the one module that reaches every drafter kind (it finds them)
 
 
 def _modules(package: str) -> Dict[str, str]:

@@ -26,10 +26,11 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from runtime.model import bundle as bundle_mod
-from runtime.backends.numpy_ref import NumpyTarget, cache_shape
+from runtime.backends.factory import open_model
+from runtime.backends.numpy_ref import cache_shape
+from runtime.config import BackendConfig
 from runtime.errors import EdgespecError
 from runtime.memory.kv import KVArena
-from runtime.model.tensors import read_safetensors
 
 PROMPT = 64  # prompt tokens before the plain-decode measurement
 
@@ -66,31 +67,14 @@ def _timed(fn, clock=time.perf_counter) -> float:
 
 def open_target(b: bundle_mod.Bundle, backend: str, positions: int, threads: int, profile_prefix: str = "",
                 precision: str = "auto", spinning: bool = False):
-    """The bundle's target on `backend` (onnx: its graph of `precision`) with a fresh arena for `positions` rows."""
+    """The bundle's target on `backend` (onnx: its graph of `precision`) with a fresh arena for `positions` rows,
+    opened as a Session opens it (runtime/backends/factory.open_model)."""
     spec = b.target.spec
-    if backend == "onnx":
-        from runtime.backends.onnx import OnnxTarget
-
-        files = b.onnx_target(precision)
-        dtype = np.float16 if files.params.get("precision") == "fp16" else np.float32
-        cache = KVArena.for_context({"target": cache_shape(spec)}, positions, dtype).allocate("target", cache_shape(spec), positions)
-        model = next(f for f in files.files if f.endswith(".onnx"))
-        return OnnxTarget(spec, b.path(model), cache, threads=threads, tap_names=files.params.get("taps", ()),
-                          profile_prefix=profile_prefix, spinning=spinning)
-    if backend == "tensorrt":
-        from runtime.backends.factory import open_model
-        from runtime.config import BackendConfig
-
-        files = b.target_files("tensorrt")
-        dtype = np.float16 if files.params.get("precision") == "fp16" else np.float32
-        cache = KVArena.for_context({"target": cache_shape(spec)}, positions, dtype).allocate("target", cache_shape(spec), positions)
-        return open_model(b, spec, files, BackendConfig(kind="tensorrt"), cache)
-    weights = {}
-    for rel in b.target_files("numpy_ref").files:
-        if rel.endswith(".safetensors"):
-            weights.update(read_safetensors(b.path(rel)))
-    cache = KVArena.for_context({"target": cache_shape(spec)}, positions).allocate("target", cache_shape(spec), positions)
-    return NumpyTarget(spec, weights, cache)
+    files = b.onnx_target(precision) if backend == "onnx" else b.target_files(b.target_entry_key(backend, precision))
+    dtype = np.float16 if files.params.get("precision") == "fp16" else np.float32
+    cache = KVArena.for_context({"target": cache_shape(spec)}, positions, dtype).allocate("target", cache_shape(spec), positions)
+    return open_model(b, spec, files, BackendConfig(kind=backend, threads=threads), cache, profile_prefix=profile_prefix,
+                      spinning=spinning)
 
 
 def time_one(target, context: int, t: int, rng: np.random.Generator, clock=time.perf_counter) -> float:

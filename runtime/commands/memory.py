@@ -9,7 +9,8 @@ import time
 from dataclasses import replace
 from typing import Dict, Optional, Tuple
 
-from runtime.memory import plan as memory
+from runtime.memory import devices, plan as memory
+from runtime.memory.bundle_sizes import backend_entry_key
 from runtime.commands.common import edgespec_root, runtime_config
 from runtime.commands.memory_plot import write_plan_plot
 from runtime.config import override
@@ -162,8 +163,8 @@ def biggest_row(plan: memory.Plan) -> memory.Row:
 
 
 def run_plan(args) -> int:
-    device = memory.load_device(args.device, devices_dir())
-    budget = memory.parse_budget(args.budget) if args.budget else memory.device_budget(device)
+    device = devices.load_device(args.device, devices_dir())
+    budget = devices.parse_budget(args.budget) if args.budget else devices.device_budget(device)
     inp, choices = plan_inputs(args)
     _positive("--context", args.context)
     if args.context is not None:
@@ -243,7 +244,7 @@ def run_profile(args) -> int:
             or args.max_tokens >= args.context:
         raise ConfigError(f"--context/--max-tokens: got {args.context}/{args.max_tokens}; expected a context >= "
                           f"{memory.MIN_CONTEXT} and 1 <= max-tokens < context")
-    device = memory.load_device(args.device, devices_dir())
+    device = devices.load_device(args.device, devices_dir())
     start = process_memory()
     cfg = runtime_config(args)
     cfg = override(cfg, "memory.max_context", args.context, "--context")
@@ -260,7 +261,7 @@ def run_profile(args) -> int:
     kv_planned = plan.row("target KV") + plan.row("drafter KV")
     # what the other rows do not account for: the interpreter, libraries, the backend's own workspace
     overhead = end["VmHWM"] - (planned - plan.row("runtime overhead"))
-    key = memory.backend_entry_key(session.backend_name, cfg.backend.precision, session.bundle)
+    key = backend_entry_key(session.backend_name, cfg.backend.precision, session.bundle)
     roof = memory.projected_decode(session.plan_inputs, args.context, device.bandwidth_gbs, tau=stats.tau,
                                    num_draft=cfg.drafter.num_tokens)
     record = {"bundle": cfg.bundle, "backend": session.backend_name, "drafter": session.drafter_kind,

@@ -23,11 +23,12 @@ import numpy as np
 
 from runtime.backends.factory import load_weights
 from runtime.backends.numpy_ref import cache_shape
-from runtime.backends.onnx_net import OnnxNet
 from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec
-from runtime.drafters.shared import pick, ranking_params, run_on_cache
+from runtime.drafters.heads import HeadRunner, head_graphs
+from runtime.drafters.shared import pick, ranking_params
 from runtime.errors import BundleError
 from runtime.memory import plan as memory_plan
+from runtime.memory.bundle_sizes import entry_numel, target_embedding_copy_bytes
 from runtime.memory.kv import KVCache
 from runtime.model.layers import apply_rope, attention, rms_norm, rope_cos_sin, rope_inv_freq, silu
 from runtime.model.spec import ModelSpec
@@ -185,12 +186,16 @@ class DFlashDrafter(Drafter):
         self.target_taps = tuple(f"layer_out.{i}" for i in params.target_layer_ids)
         self.pending: List[np.ndarray] = []  # fused target taps of committed positions not yet in the cache
         self.last_walk: Optional[List[Tuple[np.ndarray, np.ndarray]]] = None  # DFlash-2: (candidates, q matrix)/slot
-        self.net = net
-        if net is not None:
-            layers = range(spec.num_layers)
-            net.require(["context", "block", "context_cos", "context_sin", "block_cos", "block_sin"]
-                        + [f"past_{kv}_{i}" for kv in ("key", "value") for i in layers],
-                        ["hidden"] + [f"new_{kv}_{i}" for kv in ("key", "value") for i in layers])
+        self.head_runner = HeadRunner(cache, net, layers=spec.num_layers, outputs=("hidden",),
+                                      inputs=("context", "block", "context_cos", "context_sin", "block_cos", "block_sin"))
+
+    @property
+    def net(self):
+        return self.head_runner.net
+
+    @net.setter
+    def net(self, net) -> None:
+        self.head_runner.net = net
 
     @property
     def memory_bytes(self) -> int:
@@ -268,20 +273,24 @@ class DFlashDrafter(Drafter):
         if start + c != anchor_pos:
             raise RuntimeError(f"{self.kind} drafter: {start} cached + {c} pending context rows, but the anchor is at "
                                f"position {anchor_pos}; accept()/begin() were not called for every cycle")
-        self.cache.check_room(c + block_size)
         x = self.embed[np.asarray([anchor] + [self.p.mask_token_id] * (block_size - 1))].astype(np.float32)
         cos_c, sin_c = rope_cos_sin(self.inv_freq, np.arange(start, start + c))
         cos_b, sin_b = rope_cos_sin(self.inv_freq, np.arange(anchor_pos, anchor_pos + block_size))
-        if self.net is not None and c > 0 and block_size > 1:  # (ORT and zero-row inputs: numpy takes those)
-            feeds = {"context": fused.astype(np.float32), "block": x, "context_cos": cos_c, "context_sin": sin_c,
-                     "block_cos": cos_b, "block_sin": sin_b}
-            out = run_on_cache(self.net, feeds, self.cache, c, layers=spec.num_layers)["hidden"]  # context rows only
-        else:
-            ctx = rms_norm(fused.astype(np.float32) @ self.w["fc.weight"].T, self.w["hidden_norm.weight"], eps)
+
+        def numpy_step(_start: int) -> np.ndarray:  # (_layer writes its rows from the cache's length on)
+            h, ctx = x, rms_norm(fused.astype(np.float32) @ self.w["fc.weight"].T, self.w["hidden_norm.weight"], eps)
             for i in range(spec.num_layers):
-                x = self._layer(i, x, ctx, cos_c, sin_c, cos_b, sin_b)
-            out = rms_norm(x[1:], self.w["norm.weight"], eps)
-        self.cache.length = start + c  # context rows persist; the block's rows are dropped
+                h = self._layer(i, h, ctx, cos_c, sin_c, cos_b, sin_b)
+            return rms_norm(h[1:], self.w["norm.weight"], eps)
+
+        def feeds(_start: int) -> Dict[str, np.ndarray]:
+            return {"context": fused.astype(np.float32), "block": x, "context_cos": cos_c, "context_sin": sin_c,
+                    "block_cos": cos_b, "block_sin": sin_b}
+
+        # context rows persist, the block's are dropped (the graph returns the context rows' K/V only);
+        # ORT refuses zero-row inputs: numpy takes those calls
+        out = self.head_runner.run(c + block_size, numpy_step, feeds, lambda got: got["hidden"], keep=c,
+                                   use_graph=c > 0 and block_size > 1)
         self.pending = []
         return out, out @ self.head.T
 
@@ -363,7 +372,7 @@ class DFlashDrafter(Drafter):
 # -- built from a bundle entry ------------------------------------------------------------------
 
 def build(b: DrafterBuild, params: DFlashParams) -> DFlashDrafter:
-    bundle, entry, backend = b.bundle, b.entry, b.backend
+    bundle, entry = b.bundle, b.entry
     where = f"{bundle.path('bundle.yaml')}: drafters.{b.name}"
     if entry.spec is None:
         raise BundleError(f"{where}.spec: missing (the draft layers' shape); rebuild with `edgespec bundle --target DIR --dflash DIR --out DIR`")
@@ -371,11 +380,9 @@ def build(b: DrafterBuild, params: DFlashParams) -> DFlashDrafter:
     embed, head = b.embed_and_head()
     # the context rows plus one block of temporary rows
     cache = b.arena.allocate("draft", cache_shape(entry.spec), b.max_positions + params.block_size)
-    net = None
-    if backend.kind == "onnx" and "onnx" in entry.backends:  # the block forward as a graph, else numpy
-        net = OnnxNet(bundle.path(entry.backends["onnx"].files[0]), backend.providers, backend.threads,
-                      label=f"drafter {b.name}")
-    return DFlashDrafter(entry.spec, params, weights, embed, head, cache, source=where, net=net)
+    graphs = head_graphs(b, f"drafter {b.name}")  # the block forward as a graph, else numpy
+    return DFlashDrafter(entry.spec, params, weights, embed, head, cache, source=where,
+                         net=graphs[0] if graphs else None)
 
 
 def memory(bundle, entry, p: DFlashParams, backend: str) -> memory_plan.DrafterMemory:
@@ -387,9 +394,9 @@ def memory(bundle, entry, p: DFlashParams, backend: str) -> memory_plan.DrafterM
     taps = len(p.target_layer_ids) or 1
     draft = replace(memory_plan.dims_from_spec(entry.spec), own_embedding=False, head_rows=0,
                     fusion_in=taps * spec.hidden_size)
-    extra = 4 * max(0, memory_plan.entry_numel(bundle, entry) - draft.body_params())
+    extra = 4 * max(0, entry_numel(bundle, entry) - draft.body_params())
     if backend != "numpy_ref":
-        extra += memory_plan.target_embedding_copy_bytes(spec)
+        extra += target_embedding_copy_bytes(spec)
     return memory_plan.DrafterMemory(draft, "fp32", extra)
 
 

@@ -27,11 +27,12 @@ import numpy as np
 
 from runtime.backends.factory import load_weights
 from runtime.backends.numpy_ref import cache_shape
-from runtime.backends.onnx_net import OnnxNet
 from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec
-from runtime.drafters.shared import grow_chains, ranking_params, run_on_cache, tree_mask
+from runtime.drafters.heads import HeadRunner, head_graphs
+from runtime.drafters.shared import grow_chains, ranking_params, tree_mask
 from runtime.errors import BundleError
 from runtime.memory import plan as memory_plan
+from runtime.memory.bundle_sizes import target_embedding_copy_bytes
 from runtime.memory.kv import KVCache
 from runtime.model.layers import causal_mask, decoder_layer, rms_norm, rope_cos_sin, rope_inv_freq
 from runtime.model.spec import ModelSpec
@@ -162,16 +163,23 @@ class EagleDrafter(Drafter):
             self.target_taps = tuple(f"layer_in.{int(i)}" for i in layers)
         self.committed_rows = 0
         self.pending: Optional[np.ndarray] = None  # (n, H) features of committed positions not yet run
-        self.net = net  # the step as an ONNX graph (runtime/backends/onnx_net.OnnxNet), else numpy
-        if net is not None:
-            net.require(("input_ids", "features", "position_ids", "attention_mask", "past_key", "past_value"),
-                        ("logits", "hidden", "new_key", "new_value"))
+        # the step on its own cache: as an ONNX graph (runtime/backends/onnx_net.OnnxNet) when given, else numpy
+        self.head_runner = HeadRunner(cache, net, inputs=("input_ids", "features", "position_ids", "attention_mask"),
+                                      outputs=("logits", "hidden"))
+
+    @property
+    def net(self):
+        return self.head_runner.net
+
+    @net.setter
+    def net(self, net) -> None:
+        self.head_runner.net = net
 
     @property
     def memory_bytes(self) -> int:
         own = sum(a.nbytes for a in self.w.values())
         if self.net is not None:  # the layer, head (and an own embedding) are the graph's
-            return own + int(self.net.weight_bytes)
+            return own + self.head_runner.weight_bytes
         return own + (self.embed.nbytes if "embed_tokens.weight" in self.w else 0)
 
     # -- the draft layer --------------------------------------------------------------------------
@@ -184,7 +192,13 @@ class EagleDrafter(Drafter):
         return fused @ self.w["fc.weight"].T
 
     def _run(self, features: np.ndarray, tokens: Sequence[int], positions: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """Draft-layer rows for (features (T, H), tokens (T,)) at `positions`, appended to the cache -> h' (T, H)."""
+        """Draft-layer rows for (features (T, H), tokens (T,)) at `positions`, appended to the cache, in numpy -> h' (T, H)."""
+        return self.head_runner.run(len(tokens), lambda start: self._layer(features, tokens, positions, mask, start),
+                                    None, None, use_graph=False)
+
+    def _layer(self, features: np.ndarray, tokens: Sequence[int], positions: np.ndarray, mask: np.ndarray,
+               start: int) -> np.ndarray:
+        """The draft layer in numpy over rows written at cache rows start.. -> h' (T, H)."""
         w, p, spec = self.w, self.prefix, self.spec
         emb = self.embed[np.asarray(tokens, np.int64)]  # (T, H)
         if self.kind == "eagle":
@@ -196,14 +210,9 @@ class EagleDrafter(Drafter):
             hn = rms_norm(features, w[p + "hidden_norm.weight"], spec.rms_norm_eps)
             attn_in = np.concatenate([rms_norm(emb, w[p + "input_layernorm.weight"], spec.rms_norm_eps), hn], axis=-1)
             x = hn if self.norm_before_residual else features
-        t = x.shape[0]
-        start = self.cache.length
-        self.cache.check_room(t)
         cos, sin = rope_cos_sin(self.inv_freq, np.asarray(positions, np.int64))
-        out = decoder_layer(w, p, spec, x, cos, sin, self.cache.k[:, 0], self.cache.v[:, 0], start, mask,
-                            attn_input=attn_in)
-        self.cache.length = start + t
-        return out
+        return decoder_layer(w, p, spec, x, cos, sin, self.cache.k[:, 0], self.cache.v[:, 0], start, mask,
+                             attn_input=attn_in)
 
     def _draft_logits(self, hidden: np.ndarray) -> np.ndarray:
         """h' (T, H) -> (T, V') logits of the head (EAGLE-3: over its draft vocabulary)."""
@@ -227,19 +236,20 @@ class EagleDrafter(Drafter):
               last_only: bool = False) -> Tuple[np.ndarray, np.ndarray]:
         """One draft-layer call, rows appended to the cache -> (h' (T, H), target-vocabulary logits (T or 1, V)),
         on the ONNX graph when there is one, else in numpy (the oracle the export was checked against)."""
-        if self.net is None:
-            out = self._run(features, tokens, positions, mask)
+        def numpy_step(start: int) -> Tuple[np.ndarray, np.ndarray]:
+            out = self._layer(features, tokens, positions, mask, start)
             return out, self._logits(out[-1:] if last_only else out)
-        t, start = len(tokens), self.cache.length
-        self.cache.check_room(t)
-        got = run_on_cache(self.net, {"input_ids": np.asarray(tokens, np.int64),
-                                      "features": np.asarray(features, np.float32),
-                                      "position_ids": np.asarray(positions, np.int64),
-                                      "attention_mask": np.where(mask, np.float32(0.0), np.float32(-np.inf))},
-                           self.cache, t)
-        self.cache.length = start + t
-        logits = got["logits"]
-        return got["hidden"], self._to_target(logits[-1:] if last_only else logits)
+
+        def feeds(start: int) -> Dict[str, np.ndarray]:
+            return {"input_ids": np.asarray(tokens, np.int64), "features": np.asarray(features, np.float32),
+                    "position_ids": np.asarray(positions, np.int64),
+                    "attention_mask": np.where(mask, np.float32(0.0), np.float32(-np.inf))}
+
+        def from_graph(got: Dict[str, np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
+            logits = got["logits"]
+            return got["hidden"], self._to_target(logits[-1:] if last_only else logits)
+
+        return self.head_runner.run(len(tokens), numpy_step, feeds, from_graph)
 
     # -- the drafter interface --------------------------------------------------------------------
 
@@ -359,21 +369,15 @@ class EagleParams:
 def build(b: DrafterBuild, p: EagleParams) -> EagleDrafter:
     """An EAGLE-1/2 or EAGLE-3 head on the target's embedding (and, EAGLE-1, its LM head). Its step runs on the
     entry's ONNX graph when the backend is onnx and the entry has one, else in numpy."""
-    bundle, entry, backend, source = b.bundle, b.entry, b.backend, b.source
+    bundle, entry, source = b.bundle, b.entry, b.source
     if entry.spec is None:
         raise BundleError(f"{source}: no spec (the draft layer's shape); rebuild it with export/drafters/eagle.py")
     embed, head = b.embed_and_head()
     cache = b.arena.allocate("draft", cache_shape(entry.spec), b.max_positions + memory_plan.DRAFT_SLACK)
-    net = None
-    graph = entry.backends.get("onnx") if backend.kind == "onnx" else None
-    if graph is not None:
-        onnx_files = [f for f in graph.files if f.endswith(".onnx")]
-        if not onnx_files:
-            raise BundleError(f"{source}.backends.onnx lists no .onnx graph; run `edgespec export --to onnx --bundle {bundle.root}`")
-        net = OnnxNet(bundle.path(onnx_files[0]), providers=backend.providers, threads=backend.threads,
-                      label=f"{entry.kind} head {b.name}")
+    graphs = head_graphs(b, f"{entry.kind} head {b.name}")
     return EagleDrafter(entry.kind, entry.spec, load_weights(bundle, entry.files), embed, head, cache, entry.params,
-                        num_tokens=b.num_tokens, branching=b.branching, tree=p.tree, source=source, net=net)
+                        num_tokens=b.num_tokens, branching=b.branching, tree=p.tree, source=source,
+                        net=graphs[0] if graphs else None)
 
 
 def eagle_dims(entry, p: EagleParams) -> memory_plan.ModelDims:
@@ -390,7 +394,7 @@ def memory(bundle, entry, p: EagleParams, backend: str) -> memory_plan.DrafterMe
     """Its layer in float32 numpy; beside a graph target, its own float32 copy of the target's embedding (and head)."""
     if entry.spec is None:
         return memory_plan.NO_DRAFTER
-    extra = memory_plan.target_embedding_copy_bytes(bundle.target.spec) if backend != "numpy_ref" else 0
+    extra = target_embedding_copy_bytes(bundle.target.spec) if backend != "numpy_ref" else 0
     return memory_plan.DrafterMemory(eagle_dims(entry, p), "fp32", extra, prefill_chunked=True)
 
 

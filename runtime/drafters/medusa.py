@@ -29,7 +29,8 @@ from runtime.backends.onnx_net import OnnxNet
 from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec
 from runtime.drafters.shared import ranking_params
 from runtime.errors import BundleError
-from runtime.memory.plan import DrafterMemory, entry_numel
+from runtime.memory.bundle_sizes import entry_numel
+from runtime.memory.plan import DrafterMemory
 from runtime.sampling import process_logits
 from runtime.siblings import top_k
 from runtime.tree import DraftTree, empty_tree, path_to

@@ -19,7 +19,7 @@ committed x_0..x_9 (n = 10), the root x_9 not yet run by the target:
 
 A module runs in numpy (the oracle) or, when the bundle has its graph and the session runs on ONNX Runtime,
 as that graph (export/drafters/mtp_onnx.py: hidden + next tokens + its own past K/V -> logits of the last
-row, output hidden, new K/V rows, which the drafter writes into its cache rows itself).
+row, output hidden, new K/V rows), both through the one head runner (runtime/drafters/heads.py).
 
 Three checkpoint layouts name the modules (`MTP_LAYOUTS`; the decoder layer keys follow the target family):
   deepseek_v3  model.layers.{N+i}.{enorm, hnorm, eh_proj, shared_head.norm, [shared_head.head]}  concat [emb, hidden]
@@ -33,13 +33,13 @@ from typing import Dict, List, Mapping, Optional, Sequence
 import numpy as np
 
 from runtime.backends.factory import load_weights
-from runtime.backends.onnx_net import OnnxNet
-from runtime.config import BackendConfig
 from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec, draft_cache_shapes
-from runtime.drafters.shared import pick, run_on_cache
+from runtime.drafters.heads import HeadRunner, head_graphs
+from runtime.drafters.shared import pick
 from runtime.errors import BundleError
-from runtime.memory.kv import CacheShape, KVArena, KVCache
-from runtime.memory.plan import DrafterMemory, entry_numel, target_embedding_copy_bytes
+from runtime.memory.kv import CacheShape, KVCache
+from runtime.memory.bundle_sizes import entry_numel, target_embedding_copy_bytes
+from runtime.memory.plan import DrafterMemory
 from runtime.model.layers import (causal_mask, decoder_layer, decoder_layer_weight_names, rms_norm, rope_cos_sin,
                             rope_inv_freq)
 from runtime.model.spec import ModelSpec
@@ -124,9 +124,8 @@ class MTPModule:
         self.embed = embed
         self.inv_freq = rope_inv_freq(spec)
         self.cache = cache
-        self.net = net
+        self.head_runner = HeadRunner(cache, net, inputs=GRAPH_INPUTS, outputs=GRAPH_OUTPUTS)
         if net is not None:  # the graph holds the weights: no float32 copies kept beside it
-            net.require(GRAPH_INPUTS, GRAPH_OUTPUTS)
             return
         self.w = {k: np.ascontiguousarray(weights[k], dtype=np.float32) for k in decoder_layer_weight_names(p, spec)}
         self.norms = {k: np.ascontiguousarray(weights[keys[k]], np.float32) for k in ("emb_norm", "hidden_norm", "out_norm")}
@@ -135,22 +134,20 @@ class MTPModule:
         self.head = np.ascontiguousarray(own_head, np.float32) if own_head is not None else head
 
     @property
+    def net(self):
+        return self.head_runner.net
+
+    @property
     def weight_bytes(self) -> int:
         if self.net is not None:
-            return self.net.weight_bytes
+            return self.head_runner.weight_bytes
         return sum(a.nbytes for a in self.w.values()) + self.proj.nbytes + sum(a.nbytes for a in self.norms.values())
 
     def run(self, hidden: np.ndarray, next_tokens: Sequence[int], start_pos: int):
         """Rows at positions start_pos.. appended to the cache -> (output hidden (T, H), logits of the last row (V,))."""
-        t = hidden.shape[0]
-        start = self.cache.length
-        self.cache.check_room(t)
-        if self.net is not None:
-            out, logits = self._run_graph(hidden, next_tokens, start_pos, start)
-        else:
-            out, logits = self._run_numpy(hidden, next_tokens, start_pos, start)
-        self.cache.length = start + t
-        return out, logits
+        return self.head_runner.run(hidden.shape[0], lambda start: self._run_numpy(hidden, next_tokens, start_pos, start),
+                                    lambda start: self._graph_feeds(hidden, next_tokens, start_pos, start),
+                                    lambda got: (got["hidden_out"], got["logits"][-1]))
 
     def _run_numpy(self, hidden, next_tokens, start_pos, start):
         spec, norms = self.spec, self.norms
@@ -163,16 +160,14 @@ class MTPModule:
                             causal_mask(start, t))
         return out, rms_norm(out[-1], norms["out_norm"], spec.rms_norm_eps) @ self.head.T
 
-    def _run_graph(self, hidden, next_tokens, start_pos, start):
+    @staticmethod
+    def _graph_feeds(hidden, next_tokens, start_pos: int, start: int) -> Dict[str, np.ndarray]:
         t = hidden.shape[0]
         mask = np.zeros((t, start + t), np.float32)  # causal over the new rows, all of the past
         if t > 1:
             mask[:, start:][np.triu_indices(t, 1)] = -np.inf
-        got = run_on_cache(self.net, {"hidden": np.asarray(hidden, np.float32),
-                                      "input_ids": np.asarray(next_tokens, np.int64),
-                                      "position_ids": np.arange(start_pos, start_pos + t, dtype=np.int64),
-                                      "attention_mask": mask}, self.cache, t)
-        return got["hidden_out"], got["logits"][-1]
+        return {"hidden": np.asarray(hidden, np.float32), "input_ids": np.asarray(next_tokens, np.int64),
+                "position_ids": np.arange(start_pos, start_pos + t, dtype=np.int64), "attention_mask": mask}
 
 
 class MTPDrafter(Drafter):
@@ -337,20 +332,13 @@ class MTPParams:
                          str(d.get("layout", "deepseek_v3")))
 
 
-def mtp_graphs(bundle, entry, backend: BackendConfig, arena: KVArena, modules: int):
+def mtp_graphs(b: DrafterBuild, modules: int):
     """The MTP modules' ONNX graphs (one per module, in order) when the session runs on ONNX Runtime and the
-    bundle has them; None = run the modules in numpy."""
-    files = entry.backends.get("onnx") if backend.kind == "onnx" else None
-    if files is None:
-        return None
-    if (files.params.get("precision") == "fp16") != (arena.dtype == np.float16):
-        return None  # graphs of the other float precision than this session's KV arena (e.g. an int8 target): numpy
-    graphs = [f for f in files.files if f.endswith(".onnx")]
-    if len(graphs) != modules:
-        raise BundleError(f"{bundle.path('bundle.yaml')}: drafters.mtp.backends.onnx lists {len(graphs)} graphs for "
-                          f"{modules} modules; re-export with `edgespec export --to onnx --bundle {bundle.root}`")
-    return [OnnxNet(bundle.path(g), backend.providers, backend.threads, label=f"MTP module {i}")
-            for i, g in enumerate(graphs)]
+    bundle has them in the float precision of this session's KV arena; None = run the modules in numpy."""
+    files = b.entry.backends.get("onnx") if b.backend.kind == "onnx" else None
+    if files is None or (files.params.get("precision") == "fp16") != (b.arena.dtype == np.float16):
+        return None  # (graphs of the other float precision than the arena, e.g. beside an int8 target: numpy)
+    return head_graphs(b, "MTP module", count=modules, unit="modules")
 
 
 def build(b: DrafterBuild, p: MTPParams) -> MTPDrafter:
@@ -362,7 +350,7 @@ def build(b: DrafterBuild, p: MTPParams) -> MTPDrafter:
               for i in range(p.num_modules)]
     return MTPDrafter(spec, weights, embed, head, caches, num_tokens=b.num_tokens,
                       layer_index=spec.num_layers if p.first_layer_index is None else p.first_layer_index,
-                      layout=p.layout, nets=mtp_graphs(bundle, entry, b.backend, b.arena, p.num_modules))
+                      layout=p.layout, nets=mtp_graphs(b, p.num_modules))
 
 
 def cache_shapes(entry, p: MTPParams, target_spec) -> Dict[str, CacheShape]:

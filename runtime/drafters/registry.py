@@ -1,30 +1,54 @@
 """Every drafter kind, by the name a bundle entry gives it (bundle.yaml drafters.<name>.kind), and what the rest of
 the runtime asks of a drafter entry: build it, its caches, its memory, the size of its largest verify forward.
 
-Each kind declares these in its own file (runtime/drafters/<name>.py `SPEC`, a `DrafterSpec`); this is the one
-module allowed to import every kind, and the only list of them. An entry's name is free (eagle3_chain, eagle2,
-dflash_b8, mtp_numpy ...): its kind picks the spec. A new drafter is its runtime file plus one line in `SPECS`
-(and its kind in runtime/model/bundle.py DRAFTER_KINDS, which tests/runtime/drafters/test_registry.py checks)."""
+Each kind declares these in its own file (runtime/drafters/<name>.py `SPEC`, a `DrafterSpec`), and this module
+finds them: every module of the package that declares a SPEC is a kind, so a new drafter is its runtime file and
+nothing else here. The bundle loader (a floor below) takes any kind name; `resolve` refuses one no file declares.
+An entry's name is free (eagle3_chain, eagle2, dflash_b8, mtp_numpy ...): its kind picks the spec."""
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Tuple
+import importlib
+import pkgutil
+from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
+import runtime.drafters as package
 from runtime.config import BackendConfig
-from runtime.drafters import dflash, draft_model, eagle, medusa, mtp, ngram
 from runtime.drafters.base import Drafter, DrafterBuild, DrafterSpec
 from runtime.errors import BundleError
-from runtime.memory import plan as memory
+from runtime.memory import bundle_sizes, plan as memory
 from runtime.memory.kv import CacheShape, KVArena
 
-SPECS: Tuple[DrafterSpec, ...] = (ngram.SPEC, draft_model.SPEC, mtp.SPEC, medusa.SPEC, eagle.SPEC, dflash.SPEC)
+# The package's modules that are not a kind: the interface, the shared pieces and this list.
+NOT_KINDS = frozenset({"base", "shared", "heads", "registry"})
+
+
+def discover(names: Iterable[str]) -> Tuple[DrafterSpec, ...]:
+    """The SPEC of every module `runtime.drafters.<name>` that declares one, in name order; two specs claiming
+    one kind are a programming error, refused here (at import) rather than one silently winning."""
+    specs, owner = [], {}
+    for name in sorted(set(names) - NOT_KINDS):
+        spec = getattr(importlib.import_module(f"{package.__name__}.{name}"), "SPEC", None)
+        if not isinstance(spec, DrafterSpec):
+            continue
+        for kind in spec.kinds:
+            if kind in owner:
+                raise ImportError(f"runtime/drafters/{name}.py and {owner[kind]}.py both declare kind {kind!r}")
+            owner[kind] = f"runtime/drafters/{name}"
+        specs.append(spec)
+    return tuple(specs)
+
+
+SPECS: Tuple[DrafterSpec, ...] = discover(m.name for m in pkgutil.iter_modules(package.__path__))
 BY_KIND: Dict[str, DrafterSpec] = {kind: spec for spec in SPECS for kind in spec.kinds}
 # Drafter names a session takes without a bundle entry (beside "none": plain decoding)
 ENTRYLESS = tuple(kind for spec in SPECS if not spec.needs_entry for kind in spec.kinds)
 
 
-def spec_of(kind: str) -> DrafterSpec:
+def spec_of(kind: str, where: str = "drafter kind") -> DrafterSpec:
+    """The spec of `kind`; `where` names the field that gave it (the manifest's drafters.<name>.kind)."""
     if kind not in BY_KIND:
-        raise BundleError(f"drafter kind {kind!r} is not available in this runtime yet; it has {sorted(BY_KIND)}")
+        raise BundleError(f"{where} {kind!r} unknown: this runtime has the drafter kinds {sorted(BY_KIND)}; "
+                          "use one of them, or a runtime whose runtime/drafters/ declares it")
     return BY_KIND[kind]
 
 
@@ -38,7 +62,7 @@ def resolve(bundle, name: str) -> Optional[Tuple[DrafterSpec, Any, Any]]:
         spec = BY_KIND[name]
         return spec, None, spec.params({}, f"drafter {name}")
     entry = bundle.drafter(name)  # a BundleError naming the bundle's drafters when it has no such entry
-    spec = spec_of(entry.kind)
+    spec = spec_of(entry.kind, f"{bundle.path('bundle.yaml')}: drafters.{name}.kind")
     return spec, entry, spec.params(entry.params, f"{bundle.path('bundle.yaml')}: drafters.{name}.params")
 
 
@@ -57,7 +81,7 @@ def cache_shapes(bundle, name: str) -> Dict[str, CacheShape]:
     """Every cache a Session with this drafter allocates: the target's and the drafter's."""
     found = resolve(bundle, name)
     own = {} if found is None else found[0].cache_shapes(found[1], found[2], bundle.target.spec)
-    return memory.bundle_cache_shapes(bundle, own)
+    return bundle_sizes.bundle_cache_shapes(bundle, own)
 
 
 def tree_tokens(bundle, name: str, num_tokens: int, branching: int) -> int:
@@ -80,5 +104,5 @@ def plan_inputs(bundle, name: str, backend: str, tree_tokens: int, precision: st
                 prefill_chunk: int = memory.PREFILL_CHUNK, exceed_max_positions: bool = False) -> memory.PlanInputs:
     """The memory plan's inputs for a bundle served with drafter `name` ("none": plain decoding) on `backend`,
     prefilling in chunks of `prefill_chunk` (and past max_position_embeddings only with `exceed_max_positions`)."""
-    return memory.bundle_inputs(bundle, None if name == "none" else name, drafter_memory(bundle, name, backend),
+    return bundle_sizes.bundle_inputs(bundle, None if name == "none" else name, drafter_memory(bundle, name, backend),
                                 backend, tree_tokens, precision, prefill_chunk, exceed_max_positions)

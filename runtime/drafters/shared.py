@@ -1,15 +1,14 @@
 """Drafting pieces every tree-building drafter shares, so that no drafter imports another: the one pick (argmax or
 sample), the one ranking rule, how the children of one node are picked (greedy top-k ranked at temperature 1, or
-sampled through the sibling rule), the tree mask of drafted rows, the loop that grows chains split at the root, and
-how a drafter's ONNX graph runs against its own KV cache."""
+sampled through the sibling rule), the tree mask of drafted rows and the loop that grows chains split at the root.
+(A head with a KV cache of its own runs through runtime/drafters/heads.py.)"""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
-from runtime.memory.kv import KVCache
 from runtime.sampling import SamplingParams, process_logits, sample
 from runtime.siblings import Siblings, draw_siblings, top_k
 from runtime.tree import DraftTree, path_to
@@ -88,21 +87,3 @@ def grow_chains(ctx, history: List[int], root_logits: np.ndarray, width: int, de
     return DraftTree(tokens=np.asarray(tokens, np.int64), parents=np.asarray(parents, np.int64),
                      q=None if deterministic else np.stack(qs), deterministic=np.full(len(tokens), deterministic))
 
-
-def run_on_cache(net, feeds: Mapping[str, np.ndarray], cache: KVCache, rows: int,
-                 layers: Optional[int] = None) -> Dict[str, np.ndarray]:
-    """Run a drafter's graph (runtime/backends/onnx_net.OnnxNet) on its own KV cache: `feeds` plus the past K/V
-    (rows [0, cache.length)) of each layer, then write the graph's new K/V for `rows` rows right after them.
-    A one-layer graph (layers None: EAGLE, an MTP module) names them past_key / past_value -> new_key / new_value;
-    a graph of `layers` layers (DFlash) past_key_{i} ... new_value_{i}. The caller checks the room and moves
-    cache.length (which rows persist is the drafter's own rule). Returns the graph's outputs."""
-    start = cache.length
-    names = ([("_key", "_value", 0)] if layers is None else [(f"_key_{i}", f"_value_{i}", i) for i in range(layers)])
-    feeds = dict(feeds)
-    for k, v, i in names:
-        feeds["past" + k], feeds["past" + v] = cache.k[:start, i], cache.v[:start, i]  # (start, nkv, d)
-    got = net.run(feeds)
-    for k, v, i in names:
-        cache.k[start:start + rows, i] = got["new" + k]  # (rows, nkv, d)
-        cache.v[start:start + rows, i] = got["new" + v]
-    return got

@@ -11,18 +11,16 @@ On Jetson the GPU and the CPU share one memory, so a single budget covers everyt
 Everything here is pure arithmetic on model dimensions (`ModelDims`, read from an HF config.json or a bundle's
 spec); the Session sizes its KV arena from `max_context` and refuses what does not fit before allocating. Units:
 bytes everywhere; GB = 1e9 and GiB = 2**30 when parsing, device profiles' memory_gb is GiB (module sizes are
-powers of two), budget_mb and reserved_mb are MiB."""
+powers of two), budget_mb and reserved_mb are MiB. Budgets and device profiles: runtime/memory/devices.py; a
+bundle's sizes and the plan's inputs read from it: runtime/memory/bundle_sizes.py."""
 from __future__ import annotations
 
 import json
 import math
-import os
-import re
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from runtime.model.bundle import gguf_entries, onnx_entry_key
-from runtime.config import DeviceProfile, MemoryConfig, load_config
+from runtime.config import MemoryConfig
 from runtime.errors import ConfigError
 from runtime.memory.kv import CacheShape
 
@@ -172,6 +170,20 @@ class PlanInputs:
     drafter_scratch: bool = False  # the drafter's own forward keeps its scratch too (a separate ORT session)
     chunk_outputs: bool = False  # the prefill returns every prompt row's logits as batches, then their concatenation
     headroom: float = HEADROOM
+
+
+@dataclass(frozen=True)
+class DrafterMemory:
+    """What one drafter adds to the plan, as its kind declares it (runtime/drafters/<name>.py SPEC.memory)."""
+    dims: Optional[ModelDims] = None  # decoder layers of its own (their weights and their KV cache rows)
+    precision: Optional[str] = None  # of those layers' weights
+    extra_bytes: int = 0  # weights beyond `dims` (heads, codebooks, a copy of the target's embedding)
+    # its own forward over a new prompt runs in the engine's prefill chunks (Drafter.prefill_chunk: the draft model,
+    # EAGLE); False: in one forward (DFlash runs its context rows with its first block)
+    prefill_chunked: bool = False
+
+
+NO_DRAFTER = DrafterMemory()
 
 
 @dataclass(frozen=True)
@@ -445,188 +457,3 @@ def projected_decode(inp: PlanInputs, context: int, bandwidth_gbs: float, tau: O
         d_read = sum(drafter_weight_bytes(inp)) + inp.drafter_extra_bytes
         out["speculative_tok_s_bound"] = tau * bandwidth_gbs * 1e9 / (per_token + num_draft * d_read)
     return out
-
-
-# -- budgets and devices ------------------------------------------------------------------------
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": MiB, "gib": GiB}
-
-
-def mem_available(meminfo: str = "/proc/meminfo") -> int:
-    """MemAvailable in bytes: on Jetson the GPU allocates from the same memory, and MemAvailable (not
-    MemFree, not cudaMemGetInfo) counts the page cache the kernel can reclaim."""
-    with open(meminfo) as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise ConfigError(f"{meminfo}: no MemAvailable line; give the budget in bytes (--budget 5.5GB)")
-
-
-def parse_budget(text: str, source: str = "--budget", meminfo: str = "/proc/meminfo") -> int:
-    """Bytes from "5.5GB" (1e9), "5GiB" (2**30), "5632MiB", "6000000000", or "80%" of MemAvailable
-    on the machine this runs on. parse_budget("1.5GiB") == 1610612736."""
-    s = str(text).strip().lower().replace(" ", "")
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)(%|[kmg]i?b|b)?", s)
-    if m is None or float(m.group(1)) <= 0 or (m.group(2) == "%" and float(m.group(1)) > 100):
-        raise ConfigError(f"{source}: got {text!r}, expected a size such as 5.5GB, 5GiB, 5632MiB or 6000000000 "
-                          "(bytes), or a share of MemAvailable such as 80%")
-    if m.group(2) == "%":
-        return int(float(m.group(1)) / 100 * mem_available(meminfo))
-    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
-
-
-def device_names(devices_dir: str) -> List[str]:
-    return sorted(f[:-5] for f in os.listdir(devices_dir) if f.endswith(".yaml")) if os.path.isdir(devices_dir) else []
-
-
-def load_device(name: str, devices_dir: str) -> DeviceProfile:
-    """A device profile by name (configs/devices/NAME.yaml) or by the path of a YAML file."""
-    path = name if name.endswith((".yaml", ".yml")) else os.path.join(devices_dir, name + ".yaml")
-    if not os.path.isfile(path):
-        raise ConfigError(f"--device: unknown device {name!r}; choose one of {device_names(devices_dir)} "
-                          f"(the profiles in {devices_dir}) or give the path of a device YAML")
-    return load_config(path, DeviceProfile)
-
-
-def device_budget(device: DeviceProfile) -> int:
-    """What a device leaves to edgespec by default: its memory less what the OS/desktop keeps."""
-    return int(device.memory_gb * GiB - device.reserved_mb * MiB)
-
-
-# -- bundles ------------------------------------------------------------------------------------
-
-def bundle_kv_bytes(bundle, backend: str) -> int:
-    """The K/V element size of a bundle on a backend: fp16 graphs and llama.cpp (f16 K/V whatever the weights)
-    keep an fp16 cache, all else float32."""
-    files = bundle.target.backends.get(backend)
-    if files is not None and backend.split(".")[0] == "gguf":  # "gguf", "gguf.q8_0", ...
-        return 2
-    return 2 if files is not None and files.params.get("precision") == "fp16" else 4
-
-
-@dataclass(frozen=True)
-class DrafterMemory:
-    """What one drafter adds to the plan, as its kind declares it (runtime/drafters/<name>.py SPEC.memory)."""
-    dims: Optional[ModelDims] = None  # decoder layers of its own (their weights and their KV cache rows)
-    precision: Optional[str] = None  # of those layers' weights
-    extra_bytes: int = 0  # weights beyond `dims` (heads, codebooks, a copy of the target's embedding)
-    # its own forward over a new prompt runs in the engine's prefill chunks (Drafter.prefill_chunk: the draft model,
-    # EAGLE); False: in one forward (DFlash runs its context rows with its first block)
-    prefill_chunked: bool = False
-
-
-NO_DRAFTER = DrafterMemory()
-
-
-def bundle_cache_shapes(bundle, drafter_shapes: Dict[str, CacheShape]) -> Dict[str, CacheShape]:
-    """The caches a Session allocates: the target's and those its drafter declares (a draft model's, an MTP
-    module's one layer of the target's shape, ...)."""
-    spec = bundle.target.spec
-    return {"target": CacheShape(spec.num_layers, spec.num_kv_heads, spec.head_dim), **drafter_shapes}
-
-
-def safetensors_numel(path: str) -> int:
-    """Elements of every tensor of a safetensors file, from its header only (no tensor is read)."""
-    from runtime.model.tensors import _header
-
-    _, header = _header(path)
-    return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
-
-
-def entry_numel(bundle, entry) -> int:
-    """Elements of a bundle entry's safetensors files."""
-    return sum(safetensors_numel(bundle.path(f)) for f in entry.files if f.endswith(".safetensors"))
-
-
-def target_embedding_copy_bytes(spec) -> int:
-    """A float32 copy of the target's embedding (and untied LM head): what a numpy drafter keeps beside a graph."""
-    return 4 * spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
-
-
-def _engine_prefill_tokens(bundle, backend: str, chunk: int) -> int:
-    """Tokens per target prefill forward: the engine's chunk (memory.prefill_chunk, backends/base.forward_in_chunks),
-    or less where the backend splits further: TensorRT engines into their prefill profile
-    (runtime/backends/tensorrt.py), llama.cpp into batches of GGUF_BATCH."""
-    if backend == "gguf":
-        return min(chunk, GGUF_BATCH)
-    files = bundle.target.backends.get(backend) if backend == "tensorrt" else None
-    profile = (files.params.get("profiles") or {}).get("prefill") if files is not None else None
-    return min(chunk, int(profile["max_tokens"])) if profile else chunk
-
-
-def backend_entry_key(backend: str, precision: str = "auto", bundle=None) -> str:
-    """The target backend entry a Session opens: "onnx.int8" for the ONNX int8 graph, "gguf.q8_0" for the
-    q8_0 GGUF of `bundle` (auto: its most precise), else the backend's name. One entry is one backend at one
-    precision (a GGUF entry holds one quant), so what is measured of it (`edgespec memory profile --save`) is
-    stored in its params."""
-    if bundle is not None:
-        return bundle.target_entry_key(backend, precision)
-    return onnx_entry_key(precision) if backend == "onnx" and precision != "auto" else backend
-
-
-def bundle_overhead(files, backend: str) -> Tuple[int, str]:
-    """(runtime overhead bytes, its note): the one `edgespec memory profile --save` measured and stored in the
-    backend entry's params.memory_profile, else the default estimate of RUNTIME_OVERHEAD."""
-    saved = (files.params.get("memory_profile") or {}) if files is not None else {}
-    if isinstance(saved.get("runtime_overhead_bytes"), int):
-        return saved["runtime_overhead_bytes"], (f"measured by `edgespec memory profile --save` at context "
-                                                 f"{saved.get('context')}, drafter {saved.get('drafter')}")
-    return RUNTIME_OVERHEAD.get(backend, RUNTIME_OVERHEAD["onnx"]), "interpreter, libraries (default estimate)"
-
-
-def _drafter_key(entry, backend: str, t_files) -> Optional[str]:
-    """The draft model's entry a Session opens beside the target (runtime/drafters/draft_model.py entry_key):
-    gguf: the target's quant, else the draft's most precise GGUF."""
-    if backend == "numpy_ref":
-        return None
-    if backend == "gguf":
-        have = gguf_entries(entry.backends)
-        quant = t_files.params.get("quant", "f16") if t_files is not None else None
-        return have.get(quant, next(iter(have.values()), None))
-    return backend
-
-
-def bundle_inputs(bundle, drafter: Optional[str], draft: DrafterMemory, backend: str, tree_tokens: int,
-                  precision: str = "auto", prefill_chunk: int = PREFILL_CHUNK,
-                  exceed_max_positions: bool = False) -> PlanInputs:
-    """PlanInputs of a bundle as a Session loads it: numpy_ref holds every weight as float32; an ONNX graph
-    (fp32, fp16, or `precision` int8 / int4: entry onnx.int8 / onnx.int4, MatMulNBits with a float32 head) and
-    a GGUF (f16, q8_0, q4_K_M) weigh what their files weigh; a draft model without a graph for the backend runs
-    in numpy (float32). `draft` is what the drafter entry `drafter` (None: no drafter) holds beyond the target,
-    as its kind declares it (runtime/drafters/registry.py `plan_inputs` fills both). The prompt is prefilled in
-    chunks of `prefill_chunk`; contexts past the target's max_position_embeddings only with `exceed_max_positions`."""
-    spec = bundle.target.spec
-    target = dims_from_spec(spec)
-    key = backend_entry_key(backend, precision, bundle)  # gguf: the chosen quant's entry, its file's size below
-    kv = bundle_kv_bytes(bundle, key)
-    prec = "fp16" if kv == 2 else "fp32"
-    head_prec = prec
-    t_files = bundle.target.backends.get(key)
-    file_bytes = None
-    if t_files is not None and backend in ("onnx", "gguf"):  # loaded as they are on disk (ORT, llama.cpp)
-        sizes = [bundle.files[f].size for f in t_files.files if f in bundle.files]
-        file_bytes = sum(sizes) if len(sizes) == len(t_files.files) else None
-        if backend == "gguf":
-            q = t_files.params.get("quant", "f16")
-            prec = "fp16" if q == "f16" else q
-            head_prec = HEAD_OF_QUANT.get(prec, prec)
-        elif t_files.params.get("precision") in ("int8", "int4"):
-            prec, head_prec = t_files.params["precision"], "fp32"  # the quantiser keeps the head float32
-    entry = bundle.drafters.get(drafter) if drafter is not None else None
-    d_key = _drafter_key(entry, backend, t_files) if entry is not None else None
-    if entry is not None and draft.dims is not None and backend == "gguf" and d_key in entry.backends:
-        quant = entry.backends[d_key].params.get("quant", "f16")  # the draft's GGUF the Session opens
-        draft = replace(draft, precision={"f16": "fp16"}.get(quant, quant))
-    overhead, overhead_note = bundle_overhead(t_files, backend)
-    onnx = backend != "numpy_ref"
-    d_graph = entry is not None and entry.spec is not None and d_key in entry.backends
-    return PlanInputs(target=target, drafter=draft.dims, precision=prec, head_precision=head_prec,
-                      drafter_precision=draft.precision, kv_bytes=kv, drafter_extra_bytes=draft.extra_bytes,
-                      tree_tokens=tree_tokens,
-                      prefill_tokens=_engine_prefill_tokens(bundle, backend, prefill_chunk),
-                      exceed_max_positions=exceed_max_positions,
-                      drafter_prefill_tokens=prefill_chunk if draft.prefill_chunked else None,
-                      overhead_bytes=overhead, overhead_note=overhead_note, target_file_bytes=file_bytes,
-                      scratch_factor=ONNX_SCRATCH_FACTOR if backend not in ("numpy_ref", "gguf") else 1.0,
-                      chunk_outputs=backend == "gguf", ggml=backend == "gguf",
-                      drafter_scratch=onnx and d_graph)

@@ -1,16 +1,15 @@
 """A loaded model ready to serve requests: bundle + backend + drafter + tokenizer on one KV arena.
 
 This is the API the CLI and the ROS 2 node use; it turns text requests (free generation, planner,
-action tokens) into engine calls and checks every request before any work starts."""
+action tokens) into engine calls and checks every request before any work starts. Its pieces live beside it:
+the request and result types (request_types.py), the checks it is assembled with (assembly.py), the grammar cache
+(grammars.py), glibc's tuning (malloc.py), the draft shape (tuning.py)."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
-import json
-import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -19,159 +18,24 @@ from runtime.model import bundle as bundle_io
 from runtime.memory import plan as memory
 from runtime.text.actions import ActionTokenizer
 from runtime.backends.factory import open_model, resolve_backend, say_once
+from runtime.serving.assembly import check_taps, context_positions, eos_ids, prompt_format
 from runtime.serving.blas import set_blas_threads
-from runtime.config import MemoryConfig, RuntimeConfig
+from runtime.serving.grammars import GrammarCache
+from runtime.serving.malloc import return_freed_memory, return_large_blocks_on_free  # noqa: F401 (the node's main)
+from runtime.serving.request_types import ActionResult, GenerationParams, GenerationResult, Partial, PlanResult
+from runtime.config import RuntimeConfig
 from runtime.drafters import registry
-from runtime.drafters.base import Drafter
 from runtime.decode.engine import DecodeStats, Engine, StopCheck
 from runtime.errors import BudgetExceeded, BundleError, RequestError, RequestTooLong
-from runtime.text.grammar import Grammar, GrammarTokenizer
+from runtime.text.grammar import Grammar
 from runtime.memory.kv import KVArena
-from runtime.text.prompts import (ACTION_CHUNK, ZOO_PROMPTS, action_request, parse_plan, plan_objects,
-                                  planner_request, zoo_tokens_in)
-from runtime.sampling import SamplingParams
+from runtime.text.prompts import ACTION_CHUNK, action_request, parse_plan, plan_objects, planner_request
 from runtime.serving.tuning import choose_shape, template_of, template_prefixes
-from runtime.text.templates import PromptFormat
 from runtime.text.tokenizer import StreamDecoder, Tokenizer
 from runtime.verify import verify_sampled
 from runtime.verify_typical import lossy_verifier
 
 DRAFTER_CHOICES = bundle_io.BUILTIN_DRAFTERS  # every other drafter needs its entry in the bundle
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int = 0
-    deadline_s: Optional[float] = None  # seconds from the start of the request
-    stop: Sequence[str] = ()
-
-    def sampling(self, allowed_tokens=None) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                              repetition_penalty=self.repetition_penalty, allowed_tokens=allowed_tokens)
-
-    def check(self) -> None:
-        if self.deadline_s is not None and (not isinstance(self.deadline_s, (int, float)) or math.isnan(self.deadline_s)
-                                            or self.deadline_s <= 0):
-            raise RequestError("deadline_s", f"must be a number of seconds > 0 (or None), got {self.deadline_s!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
-            raise RequestError("seed", f"must be an integer >= 0, got {self.seed!r}")
-
-
-@dataclass
-class Partial:
-    """What a request had decoded when it failed, set as `exc.partial` on the exception: exactly the text
-    passed to on_delta so far (a streaming caller returns it with the error) and its token ids."""
-    text: str
-    token_ids: List[int]
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: List[int]
-    finish_reason: str
-    stats: DecodeStats
-
-
-@dataclass
-class PlanResult:
-    text: str
-    plan: Optional[list]
-    plan_ok: bool
-    plan_error: str
-    objects: List[str]
-    finish_reason: str
-    stats: DecodeStats
-
-
-@dataclass
-class ActionResult:
-    token_ids: List[int]
-    actions: np.ndarray  # (num_actions, dims) float32
-    dims: int
-    finish_reason: str
-    stats: DecodeStats
-
-
-def check_taps(target, drafter: Optional[Drafter], backend: str, bundle_root: str) -> None:
-    """Refuse, at session creation, a drafter that reads a hidden tap the target's backend does not produce
-    (an ONNX graph exports only the taps named at export time; the numpy reference has them all)."""
-    have = getattr(target, "tap_names", None)
-    if drafter is None or have is None:
-        return
-    missing = [t for t in drafter.target_taps if t not in have]
-    if missing:
-        raise BundleError(f"drafter {drafter.kind!r} reads the target's hidden tap {missing[0]!r}, which the {backend} "
-                          f"graph does not export (it has {list(have)}); re-export the ONNX graphs with `edgespec export "
-                          f"--to onnx --bundle {bundle_root} --taps {' '.join(sorted(set(have) | set(drafter.target_taps)))}`"
-                          + (" and rebuild the engines from them" if backend == "tensorrt" else ""))
-
-
-def _libc():
-    try:
-        return ctypes.CDLL("libc.so.6")  # glibc (Linux, Jetson); elsewhere the two functions below do nothing
-    except OSError:
-        return None
-
-
-def return_large_blocks_on_free(threshold_bytes: int = 4 << 20) -> None:
-    """Give every block from `threshold_bytes` up (weight tensors, the KV arena) its own mapping, unmapped
-    when freed. By default glibc raises that threshold to 32 MB after the first such free and then serves
-    these blocks from the malloc arena of the allocating thread, where a freed model stays resident: the
-    ROS node, whose configure/cleanup run on whichever executor thread is free, grew 147 -> 289 MB over
-    15 cycles. A fixed threshold also keeps glibc trimming freed heap tops. Process-wide: the process
-    owner (the node's main) calls it."""
-    libc = _libc()
-    if libc is not None:
-        libc.mallopt(-3, int(threshold_bytes))  # M_MMAP_THRESHOLD
-
-
-def return_freed_memory() -> None:
-    """Hand the free pages of every malloc arena back to the OS (malloc_trim)."""
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-def context_positions(mem: MemoryConfig, inp: memory.PlanInputs) -> int:
-    """memory.max_context, held to the target's max_position_embeddings: the default is cut to it, a larger value
-    given is refused (a ConfigError naming the key, the flag, the limit and the override), unless
-    memory.exceed_max_position_embeddings asks for more by name."""
-    inp = replace(inp, exceed_max_positions=mem.exceed_max_position_embeddings)
-    limit = memory.context_limit(inp)
-    if mem.max_context > limit and mem.max_context == MemoryConfig.max_context:
-        return limit  # not asked for: the default of a model with a shorter window
-    memory.check_context(inp, mem.max_context, "memory.max_context (--max-context)")
-    return mem.max_context
-
-
-def prompt_format(bundle, tokenizer: Tokenizer) -> PromptFormat:
-    """The bundle's prompt format; a bundle from before it was recorded gets the zoo's when its tokenizer has
-    the zoo's task tokens, else none (a planner request then says what to add)."""
-    if bundle.prompts is not None:
-        return bundle.prompts
-    if zoo_tokens_in(tokenizer):
-        return ZOO_PROMPTS
-    return PromptFormat(source=f"{bundle.path('bundle.yaml')}: prompts")
-
-
-def eos_ids(bundle, prompts: PromptFormat, tokenizer: Tokenizer) -> List[int]:
-    """Every token id that ends an answer: the config's eos_token_id(s) and the prompt format's eos_tokens."""
-    eos = set(bundle.target.spec.eos_token_ids)
-    for token in prompts.eos_tokens:
-        tid = tokenizer.token_to_id(token)
-        if tid is None:
-            raise BundleError(f"{prompts.source}.eos_tokens: {token!r} is not a token of {bundle.tokenizer}; "
-                              "rebuild the bundle (`edgespec bundle --target DIR --out DIR --prompts FILE`) "
-                              "naming a token the tokenizer has")
-        eos.add(int(tid))
-    return sorted(eos)
 
 
 @contextlib.contextmanager
@@ -261,8 +125,7 @@ class Session:
                              prefill_chunk=config.memory.prefill_chunk)
         self._actions: Optional[ActionTokenizer] = None
         self._prefixes: Optional[list] = None  # the prompt templates' fixed starts (template_of), when first needed
-        self._grammar_tokenizer: Optional[GrammarTokenizer] = None
-        self._grammars: Dict[tuple, Grammar] = {}  # compiled grammars by (kind, text), the most recent few
+        self._grammars = GrammarCache(b.path(b.tokenizer), spec.vocab_size, self.engine.eos)
         # Measured once: the files it reads may be replaced or deleted while the model, loaded, serves on.
         self._memory_bytes = self._measure_memory()
 
@@ -314,33 +177,8 @@ class Session:
 
     def grammar(self, json_schema=None, grammar: Optional[str] = None, field: Optional[str] = None) -> Optional[Grammar]:
         """Compile a request's constraint (JSON Schema as dict or text, or a Lark grammar); None if neither.
-        Compiled grammars are kept for the next requests (a robot sends the same schema again and again)."""
-        if json_schema is not None and grammar is not None:
-            raise RequestError(field or "grammar", "send either a JSON Schema or a Lark grammar, not both")
-        if json_schema is None and grammar is None:
-            return None
-        if grammar is not None:
-            return self._compiled(("lark", grammar),
-                                  lambda: Grammar.from_lark(grammar, self._grammar_tok(), field or "grammar"))
-        key = ("json", json_schema if isinstance(json_schema, str) else json.dumps(json_schema, sort_keys=True))
-        return self._compiled(key, lambda: Grammar.from_json_schema(json_schema, self._grammar_tok(),
-                                                                     field or "json_schema"))
-
-    def _grammar_tok(self) -> GrammarTokenizer:
-        if self._grammar_tokenizer is None:
-            self._grammar_tokenizer = GrammarTokenizer(self.bundle.path(self.bundle.tokenizer),
-                                                       self.target.spec.vocab_size, self.engine.eos)
-        return self._grammar_tokenizer
-
-    def _compiled(self, key: tuple, compile_: Callable[[], Grammar]) -> Grammar:
-        """The grammar compiled for `key`, from the last few requests' if there (most recent last)."""
-        hit = self._grammars.pop(key, None)
-        if hit is None:
-            hit = compile_()
-        self._grammars[key] = hit
-        while len(self._grammars) > 8:
-            self._grammars.pop(next(iter(self._grammars)))
-        return hit
+        Compiled grammars are kept for the next requests (runtime/serving/grammars.py)."""
+        return self._grammars.constraint(json_schema, grammar, field)
 
     def close(self) -> None:
         """Release the model (weights, KV arena, backend sessions), also while the caller still holds this
@@ -456,8 +294,7 @@ class Session:
         # (on every verify row and on the drafter's q). max_tokens ends the answer before its EOS.
         n = num_actions * at.dims
         params = replace(params, max_tokens=n, stop=())
-        grammar = self._compiled(("actions", n), lambda: Grammar.token_run(at.allowed_token_ids(), n,
-                                                                           self._grammar_tok(), "num_actions"))
+        grammar = self._grammars.token_run(at.allowed_token_ids(), n, "num_actions")
         with prompt_named({"instruction": instruction, "observation_text": observation_text}):
             _, tokens, finish, stats = self.generate_ids(ids, params, grammar=grammar)
         usable = len(tokens) - len(tokens) % at.dims

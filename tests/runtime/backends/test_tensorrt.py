@@ -19,7 +19,7 @@ from export.tensorrt.build import (ENGINE_DIR, TIMING_CACHE, check_tensorrt_vers
                              engine_path, install_engines, write_bytes_atomically)
 from runtime.model import bundle as bundle_mod
 from runtime.drafters import registry
-from runtime.memory import plan as memory
+from runtime.memory import bundle_sizes, plan as memory
 from runtime.backends.numpy_ref import cache_shape
 from runtime.backends.onnx import causal_additive_mask
 from runtime.backends.tensorrt_plan import (PROFILE_NAMES, cache_offsets, engine_profiles, graph_bucket, kv_addresses,
@@ -233,7 +233,7 @@ def test_engines_are_installed_atomically_with_checksums_versions_and_profiles(t
     assert list(entry.params["profiles"]) == list(PROFILE_NAMES)  # the index order the runtime selects by
     assert again.drafters[drafter].backends["tensorrt"].files == (engine_path(drafter),)
     assert again.files[TIMING_CACHE].size == len(b"timings")
-    assert memory.bundle_kv_bytes(again, "tensorrt") == 2
+    assert bundle_sizes.bundle_kv_bytes(again, "tensorrt") == 2
     # the plan counts the engine's chunked prefill: its profile's 64 tokens, below memory.prefill_chunk; the
     # other backends prefill in chunks of memory.prefill_chunk
     assert registry.plan_inputs(again, "none", "tensorrt", 5).prefill_tokens == 64

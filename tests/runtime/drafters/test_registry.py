@@ -5,16 +5,21 @@ from __future__ import annotations
 import ast
 import inspect
 import os
+import sys
+import types
 
 import pytest
 
 from runtime.drafters import registry
-from runtime.drafters.base import Drafter
+from runtime.drafters.base import Drafter, DrafterSpec
 from runtime.drafters.medusa import MedusaParams
 from runtime.drafters.mtp import MTPDrafter
 from runtime.errors import BundleError
-from runtime.model.bundle import DRAFTER_KINDS
+from runtime.model import bundle as bundle_io
+from tests.runtime.model.test_bundle import copy_bundle, read_manifest, write_manifest
 from tests.support import REPO_ROOT
+
+DRAFTER_KINDS = tuple(registry.BY_KIND)
 
 # The files that once switched on drafter kinds (session.build_drafter, the plan's per-kind weights, certify's hasattr)
 KIND_BLIND = ("runtime/serving/session.py", "runtime/memory/plan.py", "runtime/decode/engine.py",
@@ -22,15 +27,47 @@ KIND_BLIND = ("runtime/serving/session.py", "runtime/memory/plan.py", "runtime/d
 INTERFACE = {"branching", "fixed_shape", "builds_sampled_trees", "takes_branching", "model", "tree", "k"}
 
 
-def test_every_bundle_kind_has_exactly_one_spec_and_the_registry_no_other():
-    assert sorted(registry.BY_KIND) == sorted(DRAFTER_KINDS)
-    kinds = [k for spec in registry.SPECS for k in spec.kinds]
-    assert len(kinds) == len(set(kinds))
+def test_every_file_of_the_drafters_package_but_the_shared_ones_is_a_kind_the_registry_found():
+    files = {f[:-3] for f in os.listdir(os.path.join(REPO_ROOT, "runtime", "drafters"))
+             if f.endswith(".py") and f != "__init__.py"}
+    found = {inspect.getmodule(spec.build).__name__.rsplit(".", 1)[1] for spec in registry.SPECS}
+    assert found == files - registry.NOT_KINDS
+    assert sorted(registry.BY_KIND) == ["dflash", "dflash2", "draft_model", "eagle", "eagle3", "medusa", "mtp", "ngram"]
+
+
+def _kind_module(monkeypatch, name, kinds):
+    """A drafter file runtime/drafters/<name>.py declaring `kinds`, as the import system would find it."""
+    module = types.ModuleType(f"runtime.drafters.{name}")
+    module.SPEC = DrafterSpec(kinds=kinds, params=None, build=None, memory=None)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return module
+
+
+def test_a_new_drafter_file_is_a_kind_without_a_line_anywhere_else(monkeypatch):
+    new = _kind_module(monkeypatch, "lookahead", ("lookahead",))
+    specs = registry.discover(["ngram", "lookahead", "shared"])  # the order iter_modules gives is not kept
+    assert [s.kinds for s in specs] == [("lookahead",), ("ngram",)] and specs[0] is new.SPEC
+
+
+def test_two_files_declaring_one_kind_are_refused_at_import_naming_both(monkeypatch):
+    _kind_module(monkeypatch, "lookahead", ("ngram",))
+    with pytest.raises(ImportError, match=r"runtime/drafters/ngram\.py and runtime/drafters/lookahead\.py both declare kind 'ngram'"):
+        registry.discover(["ngram", "lookahead"])
 
 
 def test_an_unknown_kind_is_refused_naming_the_kinds_there_are():
-    with pytest.raises(BundleError, match=r"'lookahead'.*'eagle3'"):
+    with pytest.raises(BundleError, match=r"'lookahead' unknown.*'eagle3'"):
         registry.spec_of("lookahead")
+
+
+def test_a_bundle_entry_of_a_kind_no_drafter_declares_is_refused_when_resolved_naming_the_field(tiny_bundle, tmp_path):
+    root = copy_bundle(tiny_bundle, tmp_path)
+    m = read_manifest(root)
+    m["drafters"]["ngram"]["kind"] = "lookahead"
+    write_manifest(root, m)
+    b = bundle_io.load(root)  # the bundle floor knows no kinds: a kind is the drafters' word
+    with pytest.raises(BundleError, match=r"bundle\.yaml: drafters\.ngram\.kind 'lookahead' unknown.*'eagle3'"):
+        registry.resolve(b, "ngram")
 
 
 def _kind_switches(path: str):

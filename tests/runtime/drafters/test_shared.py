@@ -57,24 +57,3 @@ def test_grow_chains_runs_each_level_once_and_extends_every_chain_by_its_argmax(
     assert calls == [([0, 1], 1), ([2, 3], 2)]  # one call per level below the root's children
     assert tree.deterministic.all() and tree.q is None
 
-
-def test_a_drafter_graph_reads_the_cached_rows_and_its_new_rows_land_right_after_them():
-    from runtime.drafters.shared import run_on_cache
-    from runtime.memory.kv import CacheShape, KVArena
-
-    cache = KVArena.for_context({"d": CacheShape(2, 1, 2)}, 8).allocate("d", CacheShape(2, 1, 2), 8)
-    cache.k[:3] = 1.0
-    cache.length = 3
-    seen = {}
-
-    class Net:  # a two-layer graph writing 2 rows of 7s (keys) and 8s (values)
-        def run(self, feeds):
-            seen.update({k: np.array(v) for k, v in feeds.items()})
-            return {"hidden": np.zeros(1), **{f"new_{kv}_{i}": np.full((2, 1, 2), 7.0 if kv == "key" else 8.0)
-                                              for kv in ("key", "value") for i in range(2)}}
-
-    got = run_on_cache(Net(), {"block": np.zeros(1)}, cache, 2, layers=2)
-    assert set(seen) == {"block", "past_key_0", "past_value_0", "past_key_1", "past_value_1"} and "hidden" in got
-    assert seen["past_key_1"].shape == (3, 1, 2) and (seen["past_key_1"] == 1.0).all()  # the cached rows, no more
-    assert (cache.k[3:5] == 7.0).all() and (cache.v[3:5] == 8.0).all() and (cache.k[5:] == 0).all()
-    assert cache.length == 3  # which rows persist is the drafter's call

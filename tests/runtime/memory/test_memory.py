@@ -10,7 +10,7 @@ import os
 import pytest
 
 from runtime.drafters import registry
-from runtime.memory import plan as memory
+from runtime.memory import devices, plan as memory
 from runtime.config import RuntimeConfig
 from runtime.errors import BudgetExceeded
 from runtime.memory.plan import MiB, ModelDims, PlanInputs
@@ -72,12 +72,12 @@ def test_max_context_grows_with_the_budget_and_sits_exactly_on_the_boundary():
 
 
 def test_budget_strings_and_shares_of_mem_available(tmp_path):
-    assert memory.parse_budget("5.5GB") == 5_500_000_000
-    assert memory.parse_budget("1.5GiB") == 1_610_612_736
-    assert memory.parse_budget("512MiB") == 512 * MiB
+    assert devices.parse_budget("5.5GB") == 5_500_000_000
+    assert devices.parse_budget("1.5GiB") == 1_610_612_736
+    assert devices.parse_budget("512MiB") == 512 * MiB
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal: 8000000 kB\nMemAvailable: 4000000 kB\n")
-    assert memory.parse_budget("50%", meminfo=str(meminfo)) == 2_000_000 * 1024
+    assert devices.parse_budget("50%", meminfo=str(meminfo)) == 2_000_000 * 1024
 
 
 def test_the_biggest_lever_of_an_fp16_8b_model_is_int4_weights():

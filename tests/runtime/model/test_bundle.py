@@ -180,12 +180,14 @@ def test_a_manifest_that_is_not_a_mapping_is_refused(tiny_bundle, tmp_path, body
         bundle_io.load(root)
 
 
-def test_a_drafter_of_unknown_kind_is_refused_naming_it(tiny_bundle, tmp_path):
+@pytest.mark.parametrize("kind", [None, "", 3])
+def test_a_drafter_without_a_kind_name_is_refused_naming_it(tiny_bundle, tmp_path, kind):
+    # which names are kinds is the drafters' word (tests/runtime/drafters/test_registry.py); a name it must be
     root = copy_bundle(tiny_bundle, tmp_path)
     m = read_manifest(root)
-    m["drafters"]["ngram"]["kind"] = "lookahead"
+    m["drafters"]["ngram"]["kind"] = kind
     write_manifest(root, m)
-    with pytest.raises(BundleError, match=r"drafters\.ngram\.kind 'lookahead' unknown"):
+    with pytest.raises(BundleError, match=rf"drafters\.ngram\.kind {kind!r}: expected the drafter's kind"):
         bundle_io.load(root)
 
 
