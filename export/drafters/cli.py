@@ -23,7 +23,8 @@ Every --eval-every steps the drafter is evaluated on held-out rows (every 20th e
 and the expected tokens per cycle tau of its chain, printed and written to <work>/curve.json.
 --until-plateau trains until held-out tau stops rising (no gain above 0.5 % of the best for --patience
 evaluations in a row; constant learning rate after warm-up), not for a fixed time. A checkpoint is written to
---work every minute (atomically) and --resume continues the same run and loss curve.
+--work every minute (atomically) and --resume continues the same run and loss curve; --snapshot writes the
+drafter as the checkpoint holds it, training no step (a look at a long run while it goes on).
 
 Devices: --device auto (CUDA when torch sees a GPU) | cpu | cuda. On a GPU the target is held in bf16 (fp16
 where bf16 is missing) and the drafter runs under autocast; for data parallelism run it under torchrun (NCCL on
@@ -79,6 +80,9 @@ def register(sub) -> None:
                         "+ config.json); existing files there are replaced only with --force")
     p.add_argument("--work", metavar="DIR", help="checkpoints and cached data (default: build/train-drafter/<kind>)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --work")
+    p.add_argument("--snapshot", action="store_true",
+                   help="write the drafter from the checkpoint in --work as it stands, train no step (with the "
+                        "run's own settings; the run may go on meanwhile and later with --resume)")
     p.add_argument("--force", action="store_true", help="replace the drafter files already in --out")
     p.add_argument("--heads", type=int, default=4, help="medusa: number of heads, 1..16 (default 4)")
     p.add_argument("--layers", type=int, default=1,
@@ -184,6 +188,9 @@ def _check(args) -> None:
         from export.drafters.user_data import read_data_file
 
         read_data_file(args.data, args.keep_answers)  # a malformed line is refused before the target is loaded
+    ckpt = os.path.join(args.work or os.path.join("build", "train-drafter", args.kind), "ckpt.pt")
+    if args.snapshot and not os.path.isfile(ckpt):
+        raise ConfigError(f"--snapshot: {ckpt}: no checkpoint there; give the run's --work (it trains first)")
     from export.drafters.medusa import HEAD_FILE
 
     files = (HEAD_FILE, "config.json") if args.kind == "medusa" else ("model.safetensors", "config.json")
@@ -228,7 +235,8 @@ def run(args) -> int:
 
         raise ConfigError("--until-plateau: no held-out rows to judge the plateau by (--data needs 2 or more "
                           "examples: the last of fewer than 20, else every 20th, is held out)")
-    result = train(task, target, data, cfg, work, resume=args.resume, log=log, source=source, heldout=heldout)
+    result = train(task, target, data, cfg, work, resume=args.resume or args.snapshot, log=log, source=source,
+                   heldout=heldout, snapshot=args.snapshot)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         # every rank done with the last all-reduce before the group goes (a rank tearing gloo down while its peer
         # still talks to it aborts: "terminate called without an active exception")

@@ -266,12 +266,14 @@ class TrainResult:
 
 def train(task: DrafterTask, target, data: Optional[Dict[str, list]], cfg: TrainConfig, work: str,
           resume: bool = False, log: Callable[[str], None] = print, pause_at: Optional[int] = None,
-          source=None, heldout: Sequence[TargetBatch] = ()) -> TrainResult:
+          source=None, heldout: Sequence[TargetBatch] = (), snapshot: bool = False) -> TrainResult:
     """Distil `task` from the frozen `target` until cfg.steps, cfg.budget_s or (cfg.until_plateau) a plateau of
     held-out tau; checkpoints in work/ckpt.pt, the held-out curve in work/curve.json. `source`: where batch i
     comes from (`batch(i, rows)`; default: computed on the fly from `data`; see export/drafters/features.py for
     the cache); `heldout`: the batches evaluated every cfg.eval_every steps and at the end.
-    `pause_at`: stop after that step as an interrupted run would (checkpoint written, schedule unchanged)."""
+    `pause_at`: stop after that step as an interrupted run would (checkpoint written, schedule unchanged).
+    `snapshot`: load the checkpoint and stop before any step (the drafter as it stands, for a look while the run
+    goes on; the checkpoint is not written)."""
     dist = Dist.from_env(cfg.device)
     if cfg.batch % dist.world:
         raise ValueError(f"batch {cfg.batch} rows cannot be split evenly over {dist.world} processes")
@@ -313,6 +315,10 @@ def train(task: DrafterTask, target, data: Optional[Dict[str, list]], cfg: Train
     t0, t_ckpt, tokens = time.time(), time.time(), 0
     step = start
     stop = "steps" if step >= cfg.steps else "budget" if elapsed >= cfg.budget_s else ""
+    if snapshot:
+        if not (resume and os.path.exists(ckpt)):
+            raise FileNotFoundError(f"{ckpt}: no checkpoint to take a snapshot of; train with --work {work} first")
+        stop = "snapshot"
     if not stop and cfg.until_plateau and plateaued([c["tau"] for c in curve], cfg.patience, cfg.min_gain):
         stop = "plateau"
     while not stop:

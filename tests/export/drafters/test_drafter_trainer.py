@@ -112,3 +112,27 @@ def test_train_drafter_refuses_bad_input_with_one_line_errors(tmp_path, capsys):
     assert "pass --force" in capsys.readouterr().err
     assert main(argv + ["--heads", "0", "--force"]) == 2
     assert "--heads: got 0, expected 1..16" in capsys.readouterr().err
+
+
+def test_a_snapshot_is_the_checkpointed_drafter_and_leaves_the_run_as_it_was(tmp_path):
+    task, first = run(tmp_path, 6, pause_at=3)  # a run under way: checkpoint at step 3
+    before = open(tmp_path / "ckpt.pt", "rb").read()
+    target = tiny_target()
+    torch.manual_seed(99)  # another initialisation: the snapshot must come from the checkpoint, not from it
+    look = medusa_task(target, num_heads=2, num_layers=1)
+    got = train(look, target, tiny_data(), TrainConfig(**{**CFG.__dict__, "steps": 6}), str(tmp_path),
+                resume=True, log=lambda _m: None, snapshot=True)
+    assert (got.steps, got.stopped, got.losses) == (3, "snapshot", [])  # no step trained
+    for a, b in zip(task.state_dict().values(), look.state_dict().values()):
+        assert torch.equal(a, b)
+    assert open(tmp_path / "ckpt.pt", "rb").read() == before  # the run resumes where it was
+
+
+def test_a_snapshot_without_a_checkpoint_is_refused_naming_the_work_directory(tmp_path, capsys):
+    from runtime.cli import main
+
+    work = tmp_path / "work"
+    code = main(["train-drafter", "medusa", "--target", os.path.join(REPO_ROOT, "zoo", "target"), "--out",
+                 str(tmp_path / "out"), "--work", str(work), "--snapshot"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--snapshot: {work / 'ckpt.pt'}: no checkpoint there" in err, err
