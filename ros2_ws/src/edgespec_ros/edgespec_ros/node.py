@@ -37,6 +37,7 @@ from rclpy.lifecycle import State, TransitionCallbackReturn
 from rclpy.signals import SignalHandlerOptions
 
 from edgespec_ros import messages
+from edgespec_ros.pacing import AnswerPacer
 from edgespec_ros.parameters import declare_parameters
 from edgespec_ros.qos import REQUEST_QOS, action_qos_kwargs
 from edgespec_ros.request_queue import PRIORITY_ACTIONS, PRIORITY_NORMAL, GaveUp, QueueFull, RequestQueue
@@ -66,6 +67,9 @@ class EdgespecNode(LifecycleNode):
         self._last_ttft_s = 0.0
         self._prefix = (0, 0, 0)  # prefix cache: hits, misses (the session's running counts), last kept tokens
         self._memory_bytes = 0
+        # One per response topic (edgespec_ros.pacing says why): plan, action_tokens, goal answers, results.
+        self._pacers = {name: AnswerPacer(self.p.answer_interval_s) for name in ("plan", "action_tokens", "goal",
+                                                                                  "result")}
 
         # Generation waits and runs here; everything else lives in other groups so it keeps running.
         self.generation_group = ReentrantCallbackGroup()
@@ -154,7 +158,9 @@ class EdgespecNode(LifecycleNode):
     # ---- requests --------------------------------------------------------------------------------
     def _on_plan(self, req: Plan.Request, resp: Plan.Response) -> Plan.Response:
         with self._tracked():
-            return self._plan(req, resp)
+            resp = self._plan(req, resp)
+            self._pacers["plan"].wait()
+            return resp
 
     def _plan(self, req: Plan.Request, resp: Plan.Response) -> Plan.Response:
         def run(session: Session, params: GenerationParams, _stop):
@@ -165,7 +171,9 @@ class EdgespecNode(LifecycleNode):
 
     def _on_action_tokens(self, req: ActionTokens.Request, resp: ActionTokens.Response) -> ActionTokens.Response:
         with self._tracked():
-            return self._action_tokens(req, resp)
+            resp = self._action_tokens(req, resp)
+            self._pacers["action_tokens"].wait()
+            return resp
 
     def _action_tokens(self, req: ActionTokens.Request, resp: ActionTokens.Response) -> ActionTokens.Response:
         def run(session: Session, params: GenerationParams, _stop):
@@ -189,15 +197,19 @@ class EdgespecNode(LifecycleNode):
         if reason:
             self._count("rejected")
             self.get_logger().warning(f"generate goal rejected: {reason}")
+            self._pacers["goal"].wait()
             return GoalResponse.REJECT
         with self._lock:
             self._reserved[id(goal)] = (ticket, received)  # goal_handle.request is this same message
         self._track(+1)  # until _on_generate has answered it
+        self._pacers["goal"].wait()
         return GoalResponse.ACCEPT
 
     def _on_generate(self, goal_handle) -> Generate.Result:
         try:
-            return self._generate(goal_handle)
+            result = self._generate(goal_handle)
+            self._pacers["result"].wait()
+            return result
         finally:
             self._track(-1)
 

@@ -1,0 +1,46 @@
+"""Answers leave a service no closer together than `interval_s`, so no default-QoS client loses its own.
+
+Why: a ROS 2 service has one response topic; every client's response reader receives every answer the
+service sends (rmw_fastrtps' take discards those meant for other clients, one sample per take), and a
+default client keeps only the last 10 (KEEP_LAST 10). A burst of fast answers (`queue` refusals take
+microseconds) pushes a client's own answer out of its reader before its executor takes it: 9 of 256
+default-QoS clients (8 processes of 32) got nothing though the node answered all 256; 0 at 5 ms.
+
+The node cannot deepen the clients' readers, so it paces what it sends: a client that takes a sample
+per `interval_s` keeps up, one late by less than 10 intervals loses nothing. Served answers are paced by
+generation anyway; the pacer spreads bursts (refusals, requests given up at a deactivation), and a lone
+request never waits (its slot is now). A process holding many default-QoS clients of one service takes
+one sample per client per round (each sees every answer), so it falls behind any sane pace: such a
+process needs edgespec_ros.qos.REQUEST_QOS (1 process of 256: 155 lost, paced or not).
+
+Worked example (interval 5 ms): refusals ready at t = 0, 0, 0 leave at t = 0, 5, 10 ms; an answer ready
+at t = 20 ms leaves at once.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+
+class AnswerPacer:
+    """Thread-safe: each caller of wait() gets the next free slot and sleeps until it."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.interval_s = interval_s
+        self._clock, self._sleep = clock, sleep
+        self._lock = threading.Lock()
+        self._next = float("-inf")  # the earliest time the next answer may leave
+
+    def slot(self) -> float:
+        """Reserve the next slot: max(now, previous slot + interval)."""
+        with self._lock:
+            at = max(self._clock(), self._next)
+            self._next = at + self.interval_s
+            return at
+
+    def wait(self) -> None:
+        delay = self.slot() - self._clock()
+        if delay > 0:
+            self._sleep(delay)
