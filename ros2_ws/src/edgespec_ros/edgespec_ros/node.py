@@ -94,19 +94,22 @@ class EdgespecNode(LifecycleNode):
     # ---- lifecycle -------------------------------------------------------------------------------
     def on_configure(self, state: State) -> TransitionCallbackReturn:
         p = self.p
+        shape = p.value("drafter.shape")
         self.get_logger().info(f"configure: opening bundle {p.bundle_path()} (drafter={p.drafter or 'default'}, "
-                               f"backend={p.backend or 'auto'}, max_context={p.max_context or 'default'})")
+                               f"shape={shape}, backend={p.backend or 'auto'}, "
+                               f"max_context={p.max_context or 'default'})")
         self._configure_error = None  # this attempt's reason, not the previous bundle's
         step = "opening the bundle"
         try:
             self.session = Session.open(p.bundle_path(), drafter=p.drafter or None, backend=p.backend or None,
-                                        max_context=p.max_context or None)
+                                        max_context=p.max_context or None, shape=shape)
             step = "the warm-up request (configured drafter and backend)"
             self.session.warm_up()
         except Exception as exc:  # whatever it is (a PermissionError on a data file, an ONNX Runtime type error)
             return self._configure_failed(step, exc)
         self._memory_bytes = self.session.memory_in_use()
-        self.get_logger().info(f"configured: drafter={self.session.drafter_kind} backend={self.session.backend_name} "
+        self.get_logger().info(f"configured: drafter={self.session.drafter_kind} shape={self.session.shape.label} "
+                               f"backend={self.session.backend_name} "
                                f"memory={self._memory_bytes / 2**20:.1f} MiB")
         return TransitionCallbackReturn.SUCCESS
 
