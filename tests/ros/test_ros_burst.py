@@ -59,7 +59,7 @@ def test_256_default_qos_clients_at_once_each_get_their_answer(tiny_bundle, ros_
     32: every one gets its own answer, because the node paces its answers (edgespec_ros.pacing). Unpaced,
     9 of 256 got nothing: the burst of refusals pushed their answers out of their readers."""
     got = _burst(tiny_bundle, tmp_path, 8, 12, 12, 8, "default")
-    assert got["unanswered"] == 0, {**got, "refused": len(got["refused"])}
+    assert got["unanswered"] == 0, str({**got, "refused": len(got["refused"])})
     assert all(field == "queue" for field, _ in got["refused"]), got
     assert got["served"] + len(got["refused"]) + got["goals_rejected"] == 256
     print(f"\n256 default-QoS clients: {got['served']} served, {len(got['refused'])} refused (queue), "

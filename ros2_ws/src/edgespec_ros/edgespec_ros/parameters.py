@@ -63,8 +63,9 @@ SPECS: Dict[str, Spec] = {
     "queue_limit": Spec(16, "requests waiting or running at once; more are refused", 1, 256, read_only=True),
     "diagnostics_period_s": Spec(1.0, "period of /diagnostics", 0.05, 60.0),
     "feedback_period_s": Spec(0.03, "generate feedback is batched this often", 0.005, 1.0),
-    "answer_interval_s": Spec(0.01, "least time between two answers of one service: a burst of fast refusals "
-                              "paced so a default-QoS client (keep last 10) keeps its own (0 = unpaced)", 0.0, 0.1,
+    "answer_interval_s": Spec(0.02, "least time between two answers of one service: a burst of fast refusals "
+                              "paced so a default-QoS client (keep last 10) keeps its own (0 = unpaced; "
+                              "edgespec_ros/pacing.py)", 0.0, 0.1,
                               read_only=True),
     "autostart": Spec(False, "configure and activate at start-up (no lifecycle manager needed)", read_only=True),
 }
