@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 
-from edgespec_ros.pacing import AnswerPacer
+from edgespec_ros.pacing import QUIET_CROWD, AnswerPacer
 
 
 class FakeClock:
@@ -55,3 +55,11 @@ def test_threads_get_distinct_slots():
         t.join()
     slots.sort()
     assert all(b - a >= 0.001 - 1e-12 for a, b in zip(slots, slots[1:]))
+
+
+def test_a_quiet_node_answers_at_once_and_a_crowded_one_paces_after_its_last_answer():
+    clock = FakeClock()
+    pacer = AnswerPacer(0.020, clock=clock, sleep=clock.sleep)
+    assert [pacer.slot(crowd=1) for _ in range(3)] == [0.0, 0.0, 0.0]  # a control loop back to back
+    assert pacer.slot(crowd=QUIET_CROWD) == 0.0
+    assert [pacer.slot(crowd=30) for _ in range(2)] == [0.020, 0.040]  # a burst: spaced from the last answer

@@ -7,21 +7,24 @@ microseconds) pushes a client's own answer out of its reader before its executor
 default-QoS clients (8 processes of 32) got nothing though the node answered all 256. Paced at 20 ms: 0
 in most runs, 1 in a run on a shared 2-core machine at load 8 (at 10 ms: up to 22 there).
 
-The node cannot deepen the clients' readers, so it paces what it sends: a client that takes a sample
-per `interval_s` keeps up, one late by less than 10 intervals loses nothing. Served answers are paced by
-generation anyway; the pacer spreads bursts (refusals, requests given up at a deactivation), and a lone
-request never waits (its slot is now). A process holding many default-QoS clients of one service takes
+The node cannot deepen the clients' readers, so it paces what it sends while it is crowded: a client
+that takes a sample per `interval_s` keeps up, one late by less than 10 intervals loses nothing. With at
+most QUIET_CROWD requests in the node their answers cannot overrun a 10-deep reader even all at once, so
+they leave unpaced: a control loop calling back to back never waits for a slot. A process holding many default-QoS clients of one service takes
 one sample per client per round (each sees every answer), so it falls behind any sane pace: such a
 process needs edgespec_ros.qos.REQUEST_QOS (1 process of 256: 155 lost, paced or not).
 
-Worked example (interval 20 ms): refusals ready at t = 0, 0, 0 leave at t = 0, 20, 40 ms; an answer ready
-at t = 100 ms leaves at once.
+Worked example (interval 20 ms, 30 requests in the node): refusals ready at t = 0, 0, 0 leave at t = 0, 20,
+40 ms; an answer ready at t = 100 ms leaves at once; with 1 request in the node, answers never wait.
 """
 from __future__ import annotations
 
 import threading
 import time
 from typing import Callable
+
+
+QUIET_CROWD = 4  # requests in the node (taken, not answered) up to which answers leave unpaced
 
 
 class AnswerPacer:
@@ -34,14 +37,16 @@ class AnswerPacer:
         self._lock = threading.Lock()
         self._next = float("-inf")  # the earliest time the next answer may leave
 
-    def slot(self) -> float:
-        """Reserve the next slot: max(now, previous slot + interval)."""
+    def slot(self, crowd: int = QUIET_CROWD + 1) -> float:
+        """Reserve the next slot: max(now, previous slot + interval) while `crowd` (requests in the node)
+        exceeds QUIET_CROWD, else now; either way the next paced answer keeps its distance from this one."""
         with self._lock:
-            at = max(self._clock(), self._next)
-            self._next = at + self.interval_s
+            now = self._clock()
+            at = max(now, self._next) if crowd > QUIET_CROWD else now
+            self._next = max(self._next, at + self.interval_s)
             return at
 
-    def wait(self) -> None:
-        delay = self.slot() - self._clock()
+    def wait(self, crowd: int = QUIET_CROWD + 1) -> None:
+        delay = self.slot(crowd) - self._clock()
         if delay > 0:
             self._sleep(delay)

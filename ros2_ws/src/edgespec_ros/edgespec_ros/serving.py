@@ -25,7 +25,7 @@ class ServingMixin:
     def _on_plan(self, req: Plan.Request, resp: Plan.Response) -> Plan.Response:
         with self._tracked():
             resp = self._plan(req, resp)
-            self._pacers["plan"].wait()
+            self._pacers["plan"].wait(self.in_flight())
             return resp
 
     def _plan(self, req: Plan.Request, resp: Plan.Response) -> Plan.Response:
@@ -38,7 +38,7 @@ class ServingMixin:
     def _on_action_tokens(self, req: ActionTokens.Request, resp: ActionTokens.Response) -> ActionTokens.Response:
         with self._tracked():
             resp = self._action_tokens(req, resp)
-            self._pacers["action_tokens"].wait()
+            self._pacers["action_tokens"].wait(self.in_flight())
             return resp
 
     def _action_tokens(self, req: ActionTokens.Request, resp: ActionTokens.Response) -> ActionTokens.Response:
@@ -63,18 +63,18 @@ class ServingMixin:
         if reason:
             self._count("rejected")
             self.get_logger().warning(f"generate goal rejected: {reason}")
-            self._pacers["goal"].wait()
+            self._pacers["goal"].wait(self.in_flight())
             return GoalResponse.REJECT
         with self._lock:
             self._reserved[id(goal)] = (ticket, received)  # goal_handle.request is this same message
         self._track(+1)  # until _on_generate has answered it
-        self._pacers["goal"].wait()
+        self._pacers["goal"].wait(self.in_flight())
         return GoalResponse.ACCEPT
 
     def _on_generate(self, goal_handle) -> Generate.Result:
         try:
             result = self._generate(goal_handle)
-            self._pacers["result"].wait()
+            self._pacers["result"].wait(self.in_flight())
             return result
         finally:
             self._track(-1)
