@@ -56,8 +56,8 @@ def test_64_simultaneous_clients_are_each_answered_or_refused_and_none_is_lost(t
 
 def test_256_default_qos_clients_at_once_each_get_their_answer(tiny_bundle, ros_env, tmp_path):
     """Clients as `ros2 service call` or a plain rclpy client make them (keep last 10 answers), 8 processes of
-    32: every one gets its own answer, because the node paces its answers (edgespec_ros.pacing). Unpaced,
-    9 of 256 got nothing: the burst of refusals pushed their answers out of their readers."""
+    32: every one gets its own answer, because the node paces its answers while crowded (edgespec_ros.pacing).
+    Unpaced, 9-53 of 256 got nothing: the burst of refusals pushed their answers out of their readers."""
     got = _burst(tiny_bundle, tmp_path, 8, 12, 12, 8, "default")
     assert got["unanswered"] == 0, str({**got, "refused": len(got["refused"])})
     assert all(field == "queue" for field, _ in got["refused"]), got
