@@ -14,12 +14,13 @@ QUEUE_LIMIT = 16
 PLANS, ACTIONS, GOALS = 24, 24, 16  # 64 clients, 4x the queue limit
 
 
-def _burst(tiny_bundle, tmp_path, processes: int, plans: int, actions: int, goals: int, qos: str) -> dict:
+def _burst(tiny_bundle, tmp_path, processes: int, plans: int, actions: int, goals: int, qos: str,
+           **params) -> dict:
     """`processes` client processes of (plans, actions, goals) clients each, sending at once: their totals."""
     # A domain of its own: the discovery of many clients must not slow down the other tests' nodes.
     env = {"ROS_DOMAIN_ID": str(random.Random().randint(150, 232))}
     node = start_node(str(tmp_path), "/burst", {"bundle": tiny_bundle, "drafter": "draft_model", "autostart": True,
-                                                "queue_limit": QUEUE_LIMIT, "max_context": 1024}, env=env)
+                                                "queue_limit": QUEUE_LIMIT, "max_context": 1024, **params}, env=env)
     try:
         clients = [subprocess.Popen(
             [sys.executable, os.path.join(HERE, "burst_client.py"), "/burst/edgespec", str(plans), str(actions),
@@ -58,7 +59,9 @@ def test_256_default_qos_clients_at_once_each_get_their_answer(tiny_bundle, ros_
     """Clients as `ros2 service call` or a plain rclpy client make them (keep last 10 answers), 8 processes of
     32: every one gets its own answer, because the node paces its answers while crowded (edgespec_ros.pacing).
     Unpaced, 9-53 of 256 got nothing: the burst of refusals pushed their answers out of their readers."""
-    got = _burst(tiny_bundle, tmp_path, 8, 12, 12, 8, "default")
+    # 50 ms, not the default 20: 9 client processes and the node share this machine's cores with nothing to
+    # spare, and a client process starved for 10 intervals loses an answer however the node paces (docs/ros.md)
+    got = _burst(tiny_bundle, tmp_path, 8, 12, 12, 8, "default", answer_interval_s=0.05)
     assert got["unanswered"] == 0, str({**got, "refused": len(got["refused"])})
     assert all(field == "queue" for field, _ in got["refused"]), got
     assert got["served"] + len(got["refused"]) + got["goals_rejected"] == 256
