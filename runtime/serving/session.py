@@ -132,10 +132,12 @@ class Session:
     @classmethod
     def open(cls, bundle_dir: str, drafter: Optional[str] = None, backend: Optional[str] = None,
              max_context: Optional[int] = None, num_tokens: Optional[int] = None,
-             prefix_cache: Optional[bool] = None) -> "Session":
+             prefix_cache: Optional[bool] = None, shape: Optional[str] = None) -> "Session":
         cfg = RuntimeConfig(bundle=bundle_dir)
         if drafter is not None:
             cfg = replace(cfg, drafter=replace(cfg.drafter, kind=drafter))
+        if shape is not None:  # auto | fixed | adaptive, checked by tuning.choose_shape
+            cfg = replace(cfg, drafter=replace(cfg.drafter, shape=shape))
         if num_tokens is not None:
             cfg = replace(cfg, drafter=replace(cfg.drafter, num_tokens=num_tokens))
         if backend is not None:

@@ -2,7 +2,10 @@
 the same instant; prints one JSON line: what each got (served, refused and why, goal rejected) and how
 many got nothing. Its own process, so that 64 clients' discovery traffic ends with it.
 
-    python burst_client.py NODE_PATH PLANS ACTIONS GOALS TIMEOUT_S"""
+    python burst_client.py NODE_PATH PLANS ACTIONS GOALS TIMEOUT_S [burst|default]
+
+QoS `burst` (edgespec_ros.qos, as EdgespecClient has it) or `default`: rclpy's default service QoS, as a plain
+rclpy client or `ros2 service call` has it (a response reader that keeps the last 10 answers)."""
 import json
 import sys
 import time
@@ -17,19 +20,20 @@ from edgespec_ros.qos import REQUEST_QOS, action_qos_kwargs
 
 def main() -> int:
     path, plans, actions, goals, timeout_s = sys.argv[1], *map(int, sys.argv[2:5]), float(sys.argv[5])
+    qos = sys.argv[6] if len(sys.argv) > 6 else "burst"
+    service_qos = {"qos_profile": REQUEST_QOS} if qos == "burst" else {}
+    action_qos = action_qos_kwargs() if qos == "burst" else {}
     rclpy.init()
     node = rclpy.create_node("burst_client")
-    # Clients keep a burst of responses too (edgespec_ros.qos says why); the node's side is what is tested.
-    plan_c = [node.create_client(Plan, f"{path}/plan", qos_profile=REQUEST_QOS) for _ in range(plans)]
-    act_c = [node.create_client(ActionTokens, f"{path}/action_tokens", qos_profile=REQUEST_QOS)
-             for _ in range(actions)]
-    goal_c = [ActionClient(node, Generate, f"{path}/generate", **action_qos_kwargs()) for _ in range(goals)]
+    plan_c = [node.create_client(Plan, f"{path}/plan", **service_qos) for _ in range(plans)]
+    act_c = [node.create_client(ActionTokens, f"{path}/action_tokens", **service_qos) for _ in range(actions)]
+    goal_c = [ActionClient(node, Generate, f"{path}/generate", **action_qos) for _ in range(goals)]
     ready = all(c.wait_for_service(timeout_sec=timeout_s) for c in plan_c + act_c)
     ready = ready and all(g.wait_for_server(timeout_sec=timeout_s) for g in goal_c)
     if not ready:
         print(json.dumps({"error": "services not available"}))
         return 1
-    time.sleep(1.0)  # the node must also have discovered every client's response reader, or it drops the answer
+    time.sleep(3.0)  # the node must also have discovered every client's response reader, or it drops the answer
 
     # All go out before this process spins once: they reach the node at the same instant.
     plan_f = [c.call_async(Plan.Request(instruction=f"bring cup {i}", max_tokens=6)) for i, c in enumerate(plan_c)]
@@ -54,6 +58,8 @@ def main() -> int:
         "refused": [[a.error_field, a.message] for a in answers if not a.success],
         "goals_rejected": sum(not h.accepted for h in handles),
         "unanswered": sum(not f.done() for f in plan_f + act_f + goal_f + result_f),
+        "unanswered_by_kind": {kind: sum(not f.done() for f in fs) for kind, fs in (
+            ("plan", plan_f), ("action_tokens", act_f), ("goal", goal_f), ("result", result_f))},
     }))
     node.destroy_node()
     rclpy.try_shutdown()

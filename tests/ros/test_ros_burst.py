@@ -14,20 +14,37 @@ QUEUE_LIMIT = 16
 PLANS, ACTIONS, GOALS = 24, 24, 16  # 64 clients, 4x the queue limit
 
 
-def test_64_simultaneous_clients_are_each_answered_or_refused_and_none_is_lost(tiny_bundle, ros_env, tmp_path):
-    # A domain of its own: the discovery of 64 clients must not slow down the other tests' nodes.
+def _burst(tiny_bundle, tmp_path, processes: int, plans: int, actions: int, goals: int, qos: str,
+           **params) -> dict:
+    """`processes` client processes of (plans, actions, goals) clients each, sending at once: their totals."""
+    # A domain of its own: the discovery of many clients must not slow down the other tests' nodes.
     env = {"ROS_DOMAIN_ID": str(random.Random().randint(150, 232))}
     node = start_node(str(tmp_path), "/burst", {"bundle": tiny_bundle, "drafter": "draft_model", "autostart": True,
-                                                "queue_limit": QUEUE_LIMIT, "max_context": 1024}, env=env)
+                                                "queue_limit": QUEUE_LIMIT, "max_context": 1024, **params}, env=env)
     try:
-        client = subprocess.run(
-            [sys.executable, os.path.join(HERE, "burst_client.py"), "/burst/edgespec", str(PLANS), str(ACTIONS),
-             str(GOALS), "60"], capture_output=True, text=True, cwd=ROOT, env={**os.environ, **env}, timeout=300)
-        assert client.returncode == 0, client.stdout + client.stderr
-        got = json.loads(client.stdout.strip().splitlines()[-1])
+        clients = [subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "burst_client.py"), "/burst/edgespec", str(plans), str(actions),
+             str(goals), "30", qos], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            env={**os.environ, **env}) for _ in range(processes)]
+        outs = [(c.communicate(timeout=300), c.returncode) for c in clients]
     finally:
         rc = node.stop()
     assert rc == 0, node.log()
+    total = {"sent": 0, "served": 0, "refused": [], "goals_rejected": 0, "unanswered": 0, "unanswered_by_kind": {}}
+    for (out, err), code in outs:
+        assert code == 0, out + err
+        got = json.loads(out.strip().splitlines()[-1])
+        for key, value in got.items():
+            if key == "unanswered_by_kind":
+                for kind, n in value.items():
+                    total[key][kind] = total[key].get(kind, 0) + n
+            else:
+                total[key] += value
+    return total
+
+
+def test_64_simultaneous_clients_are_each_answered_or_refused_and_none_is_lost(tiny_bundle, ros_env, tmp_path):
+    got = _burst(tiny_bundle, tmp_path, 1, PLANS, ACTIONS, GOALS, "burst")
 
     assert got["unanswered"] == 0, got
     assert all(field == "queue" and f"queue_limit={QUEUE_LIMIT}" in msg for field, msg in got["refused"]), got
@@ -35,4 +52,18 @@ def test_64_simultaneous_clients_are_each_answered_or_refused_and_none_is_lost(t
     assert got["served"] >= QUEUE_LIMIT, "at least a queue's worth is served"
     assert got["refused"] or got["goals_rejected"], "64 at once must overflow a queue of 16"
     print(f"\nburst of {got['sent']}: {got['served']} served, {len(got['refused'])} refused (queue), "
+          f"{got['goals_rejected']} goals rejected, {got['unanswered']} lost")
+
+
+def test_256_default_qos_clients_at_once_each_get_their_answer(tiny_bundle, ros_env, tmp_path):
+    """Clients as `ros2 service call` or a plain rclpy client make them (keep last 10 answers), 8 processes of
+    32: every one gets its own answer, because the node paces its answers while crowded (edgespec_ros.pacing).
+    Unpaced, 9-53 of 256 got nothing: the burst of refusals pushed their answers out of their readers."""
+    # 50 ms, not the default 20: 9 client processes and the node share this machine's cores with nothing to
+    # spare, and a client process starved for 10 intervals loses an answer however the node paces (docs/ros.md)
+    got = _burst(tiny_bundle, tmp_path, 8, 12, 12, 8, "default", answer_interval_s=0.05)
+    assert got["unanswered"] == 0, str({**got, "refused": len(got["refused"])})
+    assert all(field == "queue" for field, _ in got["refused"]), got
+    assert got["served"] + len(got["refused"]) + got["goals_rejected"] == 256
+    print(f"\n256 default-QoS clients: {got['served']} served, {len(got['refused'])} refused (queue), "
           f"{got['goals_rejected']} goals rejected, {got['unanswered']} lost")

@@ -225,3 +225,28 @@ def test_cleanup_gives_the_model_memory_back_over_many_configure_cleanup_cycles(
     assert growth < model_bytes / 4, (f"resident memory after cleanup grew {growth / 2**20:.1f} MiB over "
                                       f"{len(after_cleanup)} cycles of a {model_bytes / 2**20:.1f} MiB model: "
                                       f"{[round(b / 2**20) for b in after_cleanup]} MiB")
+
+
+def test_a_bad_drafter_shape_stops_the_node_at_start_naming_the_parameter_and_the_choices(tmp_path):
+    node = start_node(str(tmp_path), "/badshape", {"drafter.shape": "diagonal"})
+    try:
+        node.proc.wait(timeout=30)
+    finally:
+        rc = node.stop()
+    log = node.log()
+    assert rc == 2, log
+    assert "drafter.shape" in log and "'diagonal'" in log and "auto, fixed, adaptive" in log
+    assert "Traceback" not in log
+
+
+def test_the_drafter_shape_parameter_reaches_the_session_and_the_node_serves_with_it(tiny_bundle, client_node,
+                                                                                        tmp_path):
+    node = start_node(str(tmp_path), "/shape", {"bundle": tiny_bundle, "drafter": "draft_model", "autostart": True,
+                                                "drafter.shape": "adaptive", "max_context": 1024})
+    try:
+        client = connect(client_node, node, "/shape/edgespec")
+        resp = client.plan(instruction="bring the red cup", max_tokens=8)
+        assert resp.success, resp.message
+        assert "configured: drafter=draft_model shape=adaptive" in node.log()  # the session's shape, not the ask
+    finally:
+        assert node.stop() == 0, node.log()

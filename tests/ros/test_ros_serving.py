@@ -10,7 +10,7 @@ import pytest
 
 from runtime.errors import RequestError
 from runtime.text.prompts import parse_plan
-from tests.ros.conftest import ROOT, connect, spin_all, start_node
+from tests.ros.conftest import ROOT, connect, spin_all, start_node, wait_for_diagnostics
 
 NS = "/serve"
 PATH = f"{NS}/edgespec"
@@ -184,14 +184,17 @@ def test_action_requests_overtake_queued_plan_requests(served, client_node):
     from edgespec_interfaces.srv import ActionTokens, Plan
 
     client, _ = served
+
+    def queued(n: int):  # the node says so itself: no guess at how long a request takes to arrive
+        return wait_for_diagnostics(client_node, PATH, lambda _s, v: int(v["queue_length"]) >= n)
+
     handle = client.send_goal(prompt="navigate to the kitchen", max_tokens=LONG)  # occupies the queue
     assert handle.accepted
-    time.sleep(0.2)
     plan_f = client.plan_client.call_async(Plan.Request(instruction="bring cup", max_tokens=4))
-    time.sleep(0.2)  # the plan request is queued first; the action request (8 x 7 tokens) comes later
+    queued(2)  # the plan request is queued first; the action request (8 x 7 tokens) comes later
     act_f = client.actions_client.call_async(ActionTokens.Request(instruction="pick cup", observation=[0.0] * 8,
                                                                   num_actions=8))
-    time.sleep(0.2)
+    queued(3)
     client._wait(handle.cancel_goal_async(), 10)
     order = []
     t0 = time.monotonic()

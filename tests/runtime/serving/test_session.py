@@ -119,3 +119,16 @@ def test_the_plan_request_streams_its_text(session):
 
 def test_the_default_backend_is_numpy_ref_when_the_bundle_has_no_onnx_graphs(tiny_bundle):
     assert Session.open(tiny_bundle, drafter="none", max_context=64).backend_name == "numpy_ref"
+
+
+def test_session_open_takes_the_draft_shape_and_refuses_an_unknown_one_naming_drafter_shape(tiny_bundle):
+    adaptive = Session.open(tiny_bundle, drafter="draft_model", max_context=256, shape="adaptive")
+    fixed = Session.open(tiny_bundle, drafter="draft_model", max_context=256, shape="fixed")
+    try:
+        assert adaptive.shape.label.startswith("adaptive") and adaptive.engine.policy is not None
+        assert fixed.shape.label == "fixed" and fixed.engine.policy is None
+    finally:
+        adaptive.close()
+        fixed.close()
+    with pytest.raises(BundleError, match="drafter.shape"):
+        Session.open(tiny_bundle, drafter="draft_model", max_context=256, shape="diagonal")

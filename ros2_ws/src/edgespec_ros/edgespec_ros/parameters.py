@@ -2,8 +2,8 @@
 
 Set them in a params file (configs/ros/edgespec.yaml, `/**: ros__parameters:`) or with `-p name:=value`.
 A bad value in a params file stops the node at start-up with a message naming the parameter; a bad
-value set at run time is refused with the same message. bundle/drafter/backend/max_context take
-effect at the next configure.
+value set at run time is refused with the same message. bundle/drafter/drafter.shape/backend/max_context
+take effect at the next configure.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescri
 from rclpy.exceptions import ParameterException
 
 from runtime.errors import ConfigError
+from runtime.serving.tuning import SHAPES
 
 _NAME = re.compile(r"^[a-z0-9_]*$")
 
@@ -34,6 +35,10 @@ def _name(v) -> Optional[str]:
     return None if _NAME.match(v) else "must be lower-case letters, digits and _ (empty = default)"
 
 
+def _shape(v) -> Optional[str]:
+    return None if v in SHAPES else f"must be one of {', '.join(SHAPES)} (as edgespec generate --shape)"
+
+
 def _non_empty(v) -> Optional[str]:
     return None if v.strip() else "must not be empty"
 
@@ -43,6 +48,9 @@ SPECS: Dict[str, Spec] = {
                    "(default: the working directory)", check=_non_empty),
     "drafter": Spec("", "drafter kind: draft_model, ngram, mtp, none, ... (empty = the bundle's default)",
                     check=_name),
+    "drafter.shape": Spec("auto", "draft shape: fixed = the drafter's own every cycle; adaptive = each cycle's node "
+                          "budget from the cost model and the acceptance so far; auto = adaptive where `edgespec "
+                          "tune` measured this machine, else fixed", check=_shape),
     "backend": Spec("", "backend name (empty = the best available)", check=_name),
     "max_context": Spec(0, "context length in tokens (0 = the bundle's default)", 0, 1 << 20),
     "default_max_tokens": Spec(128, "max_tokens of a request that sends 0", 1, 1 << 16),
@@ -55,6 +63,10 @@ SPECS: Dict[str, Spec] = {
     "queue_limit": Spec(16, "requests waiting or running at once; more are refused", 1, 256, read_only=True),
     "diagnostics_period_s": Spec(1.0, "period of /diagnostics", 0.05, 60.0),
     "feedback_period_s": Spec(0.03, "generate feedback is batched this often", 0.005, 1.0),
+    "answer_interval_s": Spec(0.02, "least time between two answers of one service: a burst of fast refusals "
+                              "paced so a default-QoS client (keep last 10) keeps its own (0 = unpaced; "
+                              "edgespec_ros/pacing.py)", 0.0, 0.1,
+                              read_only=True),
     "autostart": Spec(False, "configure and activate at start-up (no lifecycle manager needed)", read_only=True),
 }
 
@@ -69,6 +81,10 @@ class Parameters:
     def __getattr__(self, name: str):
         if name not in SPECS:
             raise AttributeError(name)
+        return self._node.get_parameter(name).value
+
+    def value(self, name: str):
+        """A parameter whose name is no attribute (drafter.shape)."""
         return self._node.get_parameter(name).value
 
     def bundle_path(self) -> str:
