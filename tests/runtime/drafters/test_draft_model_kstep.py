@@ -106,6 +106,36 @@ def test_kstep_q_rows_after_the_first_are_process_logits_along_the_drafted_chain
         np.testing.assert_allclose(q[j], _reference_q(drafter, context + chains[0, :j].tolist(), params), atol=1e-5)
 
 
+@pytest.mark.parametrize("processing", [
+    dict(), dict(temperature=1.0), dict(temperature=0.7, top_k=3), dict(temperature=1.5, top_k=100),
+    dict(temperature=1.0, top_p=0.5), dict(temperature=3.0, top_p=0.999), dict(temperature=1.0, min_p=0.2),
+    dict(temperature=1.0, repetition_penalty=1.5), dict(repetition_penalty=2.0),
+    dict(temperature=1.0, allowed_tokens=(3, 5, 7, 11))],
+    ids=["greedy", "t1", "top_k_partial", "top_k_beyond_partial", "top_p", "top_p_beyond_partial", "min_p",
+         "penalty", "greedy_penalty", "allowed"])
+def test_kstep_q_equals_process_logits_for_every_processing_branch(draft, processing):
+    """Every branch of the graph's processing (greedy, top-k from a partial or a full sort, top-p within the
+    partial head or over the whole vocabulary, min-p, penalty, allowed tokens) gives process_logits' q."""
+    from runtime.sampling import SamplingParams
+
+    drafter, context = draft
+    params = SamplingParams(**processing)
+    _, q = _draw_chains(drafter, context, params, 1, seed=4)
+    np.testing.assert_allclose(q[0], _reference_q(drafter, context, params), atol=1e-5)
+
+
+def test_an_fp16_kstep_graph_matches_the_numpy_reference_within_fp16_tolerance(tiny_bundle, tmp_path):
+    from export.onnx.graph import TOLERANCE, export_draft_model_onnx, safetensors_weights
+    from export.onnx.kstep import export_kstep_onnx, validate_kstep
+    from runtime.model import bundle as bundle_mod
+
+    entry = bundle_mod.load(tiny_bundle).drafters["draft_model"]
+    w = safetensors_weights(bundle_mod.load(tiny_bundle), entry.files)
+    step = export_draft_model_onnx(entry.spec, w, str(tmp_path / "d.onnx"), "fp16")
+    kstep = export_kstep_onnx(entry.spec, w, str(tmp_path / "k.onnx"), 3, "fp16")
+    assert validate_kstep(entry.spec, w, kstep, step, 3, "fp16") <= TOLERANCE["fp16"]
+
+
 def test_greedy_draft_model_through_the_kstep_path_equals_plain_decoding(kstep_bundle):
     plain = Session.open(kstep_bundle, drafter="none", backend="onnx", max_context=256)
     spec = Session.open(kstep_bundle, drafter="draft_model", backend="onnx", max_context=256)
