@@ -250,8 +250,10 @@ def export_kstep_onnx(spec: ModelSpec, weights: Mapping[str, np.ndarray], out_pa
                "past_keys": [{0: P} for _ in layers], "past_values": [{0: P} for _ in layers]}
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     with torch.no_grad(), quiet_library():
-        program = torch.onnx.export(module, args, dynamo=True, opset_version=OPSET, input_names=input_names(spec.num_layers),
-                                    output_names=output_names(spec.num_layers), dynamic_shapes=dynamic, verbose=False)
+        # strict tracing at once: torch.onnx's first, non-strict attempt fails on torch.cond and logs that as an error
+        exported = torch.export.export(module, args, dynamic_shapes=dynamic, strict=True)
+        program = torch.onnx.export(exported, dynamo=True, opset_version=OPSET, input_names=input_names(spec.num_layers),
+                                    output_names=output_names(spec.num_layers), verbose=False)
     return save_program(program, out_path)
 
 
