@@ -153,3 +153,30 @@ def test_a_grammar_request_takes_the_stepwise_path_and_the_stats_say_so(kstep_bu
     assert res.stats.draft_paths["kstep"] == 0 and res.stats.draft_paths["stepwise"] > 0
     free = spec.generate(PROMPT, GenerationParams(max_tokens=12))  # the same session without a grammar: K-step again
     assert free.stats.draft_paths["kstep"] > 0
+
+
+def test_kstep_on_a_device_arena_writes_the_same_rows_and_drafts_the_same_chain_as_on_the_host_arena(draft, kstep_bundle):
+    """The OrtValue arena a GPU uses (here on the CPU provider): K/V bound by device address, rows written in place."""
+    from runtime.backends.numpy_ref import cache_shape
+    from runtime.backends.onnx import OnnxTarget
+    from runtime.backends.onnx_kstep import OnnxKStep
+    from runtime.memory.kv import KVArena
+    from runtime.sampling import SamplingParams
+
+    drafter, context = draft
+    host = drafter.model
+    shape, n = cache_shape(host.spec), 64
+    dev = OnnxTarget(host.spec, host.model_path, KVArena.for_context({"d": shape}, n).allocate("d", shape, n),
+                     tap_names=(), arena_device="cpu")
+    ks = OnnxKStep(dev, drafter.kstep.model_path, drafter.kstep.steps)
+    params, u = SamplingParams(temperature=1.0), np.random.default_rng(5).random(ks.steps)
+    got = []
+    for model, kstep in ((host, drafter.kstep), (dev, ks)):
+        model.reset()
+        model.forward(np.asarray(context[:-2]), np.arange(len(context) - 2))
+        got.append(kstep.run(context[-2:], np.arange(len(context) - 2, len(context)), params, context, u))
+        assert model.cache_len == len(context) + ks.steps - 1
+    np.testing.assert_array_equal(got[0][0], got[1][0])
+    np.testing.assert_allclose(got[0][1], got[1][1], atol=1e-6)
+    for layer in range(host.spec.num_layers):
+        np.testing.assert_allclose(host.layer_kv(layer)[0], dev.layer_kv(layer)[0], atol=1e-6)
