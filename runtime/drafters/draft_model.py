@@ -25,6 +25,7 @@ from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSp
 from runtime.memory.plan import DrafterMemory, NO_DRAFTER, dims_from_spec
 from runtime.model.bundle import BackendFiles, gguf_entries
 from runtime.drafters.shared import grow_chains, tree_mask
+from runtime.errors import BundleError
 from runtime.tree import DraftTree, empty_tree, path_to
 
 KSTEP, STEPWISE = "kstep", "stepwise"  # the drafting paths `draft_paths` counts
@@ -151,14 +152,23 @@ class DraftModelDrafter(Drafter):
         self.cached = self._context + [int(t) for t in committed[1:1 + len(rows)]]
 
 
+KSTEP_MODES = ("auto", "on", "off")
+
+
 @dataclass(frozen=True)
 class DraftModelParams:
-    """bundle.yaml drafters.<name>.params of a draft model: nothing the runtime reads (its shape is the
-    entry's spec, its files the entry's files and backends)."""
+    """bundle.yaml drafters.<name>.params of a draft model (its shape is the entry's spec, its files the entry's
+    files and backends). `kstep`: draft a chain in one run of the K-step graph — "auto": only on a GPU execution
+    provider (on the 2-core CPU the unrolled graph ran 0.55-0.66x the step-wise chain, greedy: one run there is
+    arithmetic, not fixed cost; docs/drafters/draft_model.md), "on", "off"."""
+    kstep: str = "auto"
 
     @staticmethod
     def from_dict(d: Mapping, where: str) -> "DraftModelParams":
-        return DraftModelParams()
+        p = DraftModelParams(kstep=str(d.get("kstep", "auto")))
+        if p.kstep not in KSTEP_MODES:
+            raise BundleError(f"{where}: kstep {p.kstep!r}: expected one of {', '.join(KSTEP_MODES)}")
+        return p
 
 
 def entry_key(entry, backend) -> Optional[str]:
@@ -182,14 +192,17 @@ def build(b: DrafterBuild, p: DraftModelParams) -> DraftModelDrafter:
     cache = b.arena.allocate("draft", cache_shape(entry.spec), b.max_positions)
     model = open_model(b.bundle, entry.spec, files, backend, cache, label=f"drafter {b.name}")
     return DraftModelDrafter(model, num_tokens=b.num_tokens, branching=b.branching,
-                             kstep=kstep_graph(b.bundle, files, backend, model))
+                             kstep=kstep_graph(b.bundle, files, backend, model, p.kstep))
 
 
-def kstep_graph(bundle, files: BackendFiles, backend, model):
+def kstep_graph(bundle, files: BackendFiles, backend, model, mode: str = "auto"):
     """The draft model's K-step graph (params kstep_graph / kstep_steps of its onnx entry) over `model`'s cache,
-    or None: another backend, an entry without one (an older export) or a GroupQueryAttention step graph."""
+    or None: another backend, an entry without one (an older export), a GroupQueryAttention step graph, mode "off",
+    or mode "auto" on CPU execution providers only (see DraftModelParams)."""
     rel = files.params.get("kstep_graph")
-    if backend.kind != "onnx" or not rel or getattr(model, "shared_kv", True):
+    if backend.kind != "onnx" or not rel or getattr(model, "shared_kv", True) or mode == "off":
+        return None
+    if mode == "auto" and all(p == "CPUExecutionProvider" for p in backend.providers):
         return None
     from runtime.backends.onnx_kstep import OnnxKStep
     return OnnxKStep(model, bundle.path(rel), int(files.params.get("kstep_steps", 1)), providers=backend.providers,

@@ -26,7 +26,40 @@ def kstep_bundle(tiny_bundle, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("kstep") / "bundle")
     shutil.copytree(tiny_bundle, root)
     add_onnx_to_bundle(root, "fp32", None, validate=True)  # the K-step graph checked against the numpy reference
+    _set_kstep(root, "on")  # "auto" takes it only on a GPU provider; these tests run it on the CPU one
     return root
+
+
+def _set_kstep(root: str, mode: str) -> None:
+    import os
+
+    import yaml
+
+    path = os.path.join(root, "bundle.yaml")
+    with open(path) as f:
+        m = yaml.safe_load(f)
+    m["drafters"]["draft_model"]["params"] = {**(m["drafters"]["draft_model"].get("params") or {}), "kstep": mode}
+    with open(path, "w") as f:
+        yaml.safe_dump(m, f, sort_keys=False)
+
+
+@pytest.mark.parametrize("mode, runs", [("auto", False), ("off", False), ("on", True)])
+def test_the_kstep_param_chooses_the_path_auto_takes_it_only_on_a_gpu_provider(kstep_bundle, tmp_path, mode, runs):
+    root = str(tmp_path / "b")
+    shutil.copytree(kstep_bundle, root)
+    _set_kstep(root, mode)
+    spec = Session.open(root, drafter="draft_model", backend="onnx", max_context=256)
+    assert (spec.drafter.kstep is not None) == runs
+
+
+def test_an_unknown_kstep_mode_is_refused_naming_the_field(kstep_bundle, tmp_path):
+    from runtime.errors import EdgespecError
+
+    root = str(tmp_path / "b")
+    shutil.copytree(kstep_bundle, root)
+    _set_kstep(root, "fast")
+    with pytest.raises(EdgespecError, match="kstep 'fast': expected one of auto, on, off"):
+        Session.open(root, drafter="draft_model", backend="onnx", max_context=256)
 
 
 @pytest.fixture(scope="module")
