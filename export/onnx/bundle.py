@@ -15,6 +15,7 @@ from export.drafters.medusa_onnx import export_medusa_graphs
 from export.drafters.mtp_onnx import export_bundle_mtp
 from export.onnx.graph import (KV_LAYOUTS, check_against_reference, export_decoder_onnx, safetensors_weights,
                                share_initializers, validate_onnx)
+from export.onnx.kstep import export_and_check_kstep, kstep_rel
 from export.onnx.quantize import ACCURACY_LEVEL, BITS, quantize_graph
 from runtime.errors import BundleError, ExportError
 from runtime.model import bundle as bundle_mod
@@ -26,7 +27,8 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
                        accuracy_level: Optional[int] = None, attention: str = "matmul",
                        only: Optional[Collection[str]] = None) -> Tuple[str, ...]:
     """Export the bundle's target (from its numpy_ref safetensors) to ONNX and register it as backend
-    "onnx"; likewise every `draft_model` drafter that has a spec and safetensors, and every MTP module.
+    "onnx"; likewise every `draft_model` drafter that has a spec and safetensors (with its K-step draft graph,
+    export/onnx/kstep.py, K = its params.num_tokens, where its attention is the default), and every MTP module.
     Taps default to every tap the bundle's drafters read, plus final_norm. Returns the new files (relative to the bundle).
 
     precision int8 / int4: the target's fp32 graph, weight-only quantised by ONNX Runtime's MatMulNBits
@@ -72,6 +74,10 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
         dw = safetensors_weights(b, d.files)
         if dw:
             graphs.append((name, f"onnx/drafter.{name}.{precision}.onnx", d.spec, dw, ()))
+    # K-step draft graphs (one run per drafted chain): layer-major K/V only, as the step graph they share weights with
+    ksteps = {} if quantised or attention != "matmul" else {
+        label: (kstep_rel(label, precision, int(b.drafters[label].params.get("num_tokens", 4))),
+                int(b.drafters[label].params.get("num_tokens", 4))) for label, *_ in graphs if label != "target"}
 
     heads = {} if quantised else eagle_onnx.bundle_heads(b, weights)  # EAGLE steps: export/drafters/eagle_onnx.py
     blocks = {} if quantised else dflash_onnx.bundle_graphs(b)  # DFlash block forwards: export/drafters/dflash_onnx.py
@@ -96,6 +102,10 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
             if validate:
                 check_against_reference(f"{bundle_dir}/{grel} ({label})",
                                         validate_onnx(spec, w, staged, gtaps, precision), precision)
+            if label in ksteps:
+                krel, steps = ksteps[label]
+                export_and_check_kstep(spec, w, os.path.join(staging, os.path.basename(krel)), steps, precision, staged,
+                                       f"{bundle_dir}/{krel} ({label})", validate)
         target_graph = os.path.join(staging, os.path.basename(rel))
         # Drafter graphs other than draft models: (drafter, files, params) each, written into staging and checked.
         extra = [] if quantised else [  # MTP modules: their own graphs (export/drafters/mtp_onnx.py)
@@ -118,6 +128,7 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
             extra += [(user, [grel, grel + ".data"], {"precision": "fp32", "graph": "dflash_block"}) for user in users]
         os.makedirs(os.path.join(bundle_dir, "onnx"), exist_ok=True)
         moved = {grel + suffix for _, grel, *_ in graphs for suffix in ("", ".data")} | {f for e in extra for f in e[1]}
+        moved |= {krel + suffix for krel, _ in ksteps.values() for suffix in ("", ".data")}
         if only is not None:
             moved -= {rel, rel + ".data"}  # the target graph stays as it is
         for f in sorted(moved):
@@ -134,6 +145,10 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
         if quantised:
             params.update(block_size=block_size, accuracy_level=level,
                           quantizer="onnxruntime MatMulNBits, symmetric, LM head float32")
+        if label in ksteps:  # the K-step graph rides in the draft model's onnx entry
+            krel, steps = ksteps[label]
+            files += [krel, krel + ".data"]
+            params.update(kstep_graph=krel, kstep_steps=steps)
         if label == "target":
             writer.add_target_backend(onnx_entry_key(precision), files, params)
         else:

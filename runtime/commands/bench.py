@@ -176,6 +176,7 @@ def row(label: str, drafter: str, temp: float, t: Tally, base: Tally, session, b
         "drafter": drafter, "label": label, "control": label == CONTROL, "temperature": temp,
         "bundle": bundle_name, "standin": "standin" in bundle_name.lower(), "backend": session.backend_name,
         "shape": session.engine.shape,  # fixed, adaptive or adaptive (tuned): how the row drafted
+        "draft_paths": t.draft_paths,  # proposals per drafting path (draft model: kstep / stepwise); {} for one
         "rounds": len(t.round_tps()), "tokens": sum(t.round_tokens),
         "tokens_per_s": statistics.median(t.round_tps()), **paired_speedup(t.round_tps(), base.round_tps()),
         "tau": t.tau_sum / cyc if t.cycles else 1.0,

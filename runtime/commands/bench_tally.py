@@ -24,6 +24,7 @@ class Tally:
     forwards: int = 0  # target forwards, prefills included
     depth_weight: List[float] = field(default_factory=list)  # (depth,) cycles of the generations that drafted it
     depth_accept: List[float] = field(default_factory=list)  # (depth,) sum of acceptance x cycles
+    draft_paths: Dict[str, int] = field(default_factory=dict)  # proposals per drafting path (DecodeStats.draft_paths)
 
     def add(self, r: int, res) -> None:
         s = res.stats
@@ -43,6 +44,8 @@ class Tally:
         self.other += s.other_s
         self.outputs.append(list(res.token_ids))
         self.forwards += s.target_forwards
+        for path, n in getattr(s, "draft_paths", {}).items():
+            self.draft_paths[path] = self.draft_paths.get(path, 0) + n
         for d, a in enumerate(s.acceptance_by_depth):
             if len(self.depth_weight) <= d:
                 self.depth_weight.append(0.0)

@@ -61,6 +61,8 @@ class DecodeStats:
     shape: str = "fixed"
     skipped_cycles: int = 0  # cycles the adaptive rule drafted nothing in (plain steps: drafting did not pay)
     mean_budget: float = 0.0  # mean node budget the adaptive rule gave the drafter per cycle
+    # Proposals of this request per drafting path (Drafter.draft_paths: "kstep" / "stepwise"); {} for one path.
+    draft_paths: Dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, object]:
         return dict(self.__dict__)
@@ -184,6 +186,7 @@ class Engine:
         context = prompt + [first]
         out: List[int] = []
         finish = self._emit([first], out, max_tokens, on_tokens)
+        paths_before = self.drafter.draft_paths if self.drafter is not None else {}
         if self.drafter is not None:
             td = time.perf_counter()
             self.drafter.begin(prompt, taps, start=start)
@@ -217,6 +220,8 @@ class Engine:
         stats.acceptance_by_depth = [h / n for h, n in zip(depth_hit, depth_tried)]
         stats.skipped_cycles = sum(1 for b in budgets if b == 0)
         stats.mean_budget = float(np.mean(budgets)) if budgets else 0.0
+        if self.drafter is not None:
+            stats.draft_paths = {k: n - paths_before.get(k, 0) for k, n in self.drafter.draft_paths.items()}
         stats.tokens_per_s = len(out) / stats.wall_s if stats.wall_s > 0 else 0.0
         stats.other_s = stats.wall_s - stats.prefill_s - stats.draft_s - stats.verify_s  # spans never overlap
         stats.grammar_s = state.seconds if state is not None else 0.0

@@ -108,6 +108,12 @@ class Drafter:
         """Bytes the drafter holds beyond the shared KV arena (weights)."""
         return 0
 
+    @property
+    def draft_paths(self) -> Dict[str, int]:
+        """Proposals so far per drafting path, for a drafter with more than one (a draft model: "kstep", one
+        graph run per chain, or "stepwise", a forward per token); {} for a drafter with one path."""
+        return {}
+
 
 # -- how a drafter kind is built from a bundle entry (runtime/drafters/registry.py lists the kinds) ------------
 

@@ -5,7 +5,12 @@ with its own q.
 Its KV cache is a view into the same arena as the target's, so it counts against the one budget. The
 cache follows the committed tokens lazily: before drafting, the longest common prefix of what the
 cache holds and the context is kept and only the rest (usually the root plus a token or two) is run.
-The same rule carries the draft cache across requests when the target reuses a prompt prefix."""
+The same rule carries the draft cache across requests when the target reuses a prompt prefix.
+
+On ONNX, with the bundle's K-step graph (export/onnx/kstep.py), a chain is drafted in ONE run: the catch-up rows,
+K steps, the logits processing and the draws from uniforms of the drafter's stream. A request the graph cannot
+express (a grammar, a tree, a depth beyond its K, a long catch-up) takes the step-wise path; `draft_paths`
+counts which ran."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -20,7 +25,10 @@ from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSp
 from runtime.memory.plan import DrafterMemory, NO_DRAFTER, dims_from_spec
 from runtime.model.bundle import BackendFiles, gguf_entries
 from runtime.drafters.shared import grow_chains, tree_mask
+from runtime.errors import BundleError
 from runtime.tree import DraftTree, empty_tree, path_to
+
+KSTEP, STEPWISE = "kstep", "stepwise"  # the drafting paths `draft_paths` counts
 
 
 class DraftModelDrafter(Drafter):
@@ -28,8 +36,9 @@ class DraftModelDrafter(Drafter):
     builds_sampled_trees = True
     takes_branching = True
 
-    def __init__(self, model: TargetBackend, num_tokens: int = 4, branching: int = 1):
+    def __init__(self, model: TargetBackend, num_tokens: int = 4, branching: int = 1, kstep=None):
         self.model = model
+        self.kstep = kstep  # runtime/backends/onnx_kstep.OnnxKStep over `model`'s cache, or None
         self.k = num_tokens
         self.branching = branching
         self.cached: List[int] = []  # tokens whose K/V rows the draft cache holds, in order
@@ -37,6 +46,11 @@ class DraftModelDrafter(Drafter):
         self._node_rows: Dict[int, int] = {}  # tree node -> cache row (nodes that were run)
         self._context: List[int] = []
         self._proposed = False  # a tree was proposed and not yet accepted (a cycle may verify no tree)
+        self._paths: Dict[str, int] = {KSTEP: 0, STEPWISE: 0}
+
+    @property
+    def draft_paths(self) -> Dict[str, int]:
+        return dict(self._paths)
 
     @property
     def memory_bytes(self) -> int:
@@ -44,6 +58,7 @@ class DraftModelDrafter(Drafter):
 
     def wrap_models(self, wrap) -> None:
         self.model = wrap(self.model)
+        self.kstep = None  # the K-step graph writes the unwrapped model's cache: the wrapper would not see it
 
     def begin(self, prompt, taps, start: int = 0) -> None:
         if not start:
@@ -68,6 +83,9 @@ class DraftModelDrafter(Drafter):
         self.cached = self.cached[:keep]  # (set again below; right also if the forward fails)
         room = self.model.max_cache_len - len(context)  # rows left for drafted nodes
         depth = min(self.k, ctx.max_nodes // self.branching, 1 + room // self.branching)
+        if depth > 0 and self._kstep_fits(ctx, len(context) - keep, depth, room):
+            return self._propose_kstep(ctx, context, keep, depth)
+        self._paths[STEPWISE] += 1
         # (a new prompt: in chunks, like the target's prefill; after a cycle only the root and a token or two)
         logits = forward_in_chunks(self.model, context[keep:], np.arange(keep, len(context)), (), self.prefill_chunk,
                                    all_logits=False).logits[-1]
@@ -91,6 +109,36 @@ class DraftModelDrafter(Drafter):
 
         return grow_chains(ctx, context, logits, self.branching, depth, self.sibling_rule, run)
 
+    def _kstep_fits(self, ctx: DraftContext, catch_up: int, depth: int, room: int) -> bool:
+        """Whether the K-step graph can draft this chain exactly as the step-wise path would: a chain (no tree),
+        no grammar (its masks follow the path), at most the graph's K tokens, a short catch-up, and room for
+        the K - 1 rows it writes beyond the context."""
+        ks = self.kstep
+        return (ks is not None and self.branching == 1 and ctx.allowed is None and depth <= ks.steps
+                and 0 < catch_up <= self.prefill_chunk and ks.steps - 1 <= room)
+
+    def _propose_kstep(self, ctx: DraftContext, context: List[int], keep: int, depth: int) -> DraftTree:
+        """The chain from one run of the K-step graph; its first `depth` tokens are the tree."""
+        self._paths[KSTEP] += 1
+        params = ctx.params
+        # one uniform per drafted token, as the step-wise chain's draws; a greedy chain draws none
+        uniforms = np.zeros(self.kstep.steps) if params.greedy else ctx.rng.random(self.kstep.steps)
+        tokens, q = self.kstep.run(context[keep:], np.arange(keep, len(context)), params, context, uniforms)
+        self.cached = context
+        self._base = len(context)
+        self._context = context
+        self._proposed = True
+        # drafted token j (< K - 1) was run at cache row base + j; the last one never is
+        self._node_rows = {j: self._base + j for j in range(min(depth, self.kstep.steps - 1))}
+        tokens = tokens[:depth].astype(np.int64)
+        if params.greedy:
+            return DraftTree(tokens=tokens, parents=np.arange(-1, depth - 1, dtype=np.int64), q=None,
+                             deterministic=np.ones(depth, bool))
+        q = q[:depth].astype(np.float64)
+        q /= q.sum(axis=1, keepdims=True)  # the draw's own normalisation (inverse CDF against the total mass)
+        return DraftTree(tokens=tokens, parents=np.arange(-1, depth - 1, dtype=np.int64), q=q,
+                         deterministic=np.zeros(depth, bool))
+
     def accept(self, accepted_nodes, committed, taps) -> None:
         if not self._proposed:  # the engine verified no tree this cycle (one token left): the cache stands as is
             return
@@ -104,14 +152,23 @@ class DraftModelDrafter(Drafter):
         self.cached = self._context + [int(t) for t in committed[1:1 + len(rows)]]
 
 
+KSTEP_MODES = ("auto", "on", "off")
+
+
 @dataclass(frozen=True)
 class DraftModelParams:
-    """bundle.yaml drafters.<name>.params of a draft model: nothing the runtime reads (its shape is the
-    entry's spec, its files the entry's files and backends)."""
+    """bundle.yaml drafters.<name>.params of a draft model (its shape is the entry's spec, its files the entry's
+    files and backends). `kstep`: draft a chain in one run of the K-step graph — "auto": only on a GPU execution
+    provider (on the 2-core CPU the unrolled graph ran 0.55-0.66x the step-wise chain, greedy: one run there is
+    arithmetic, not fixed cost; docs/drafters/draft_model.md), "on", "off"."""
+    kstep: str = "auto"
 
     @staticmethod
     def from_dict(d: Mapping, where: str) -> "DraftModelParams":
-        return DraftModelParams()
+        p = DraftModelParams(kstep=str(d.get("kstep", "auto")))
+        if p.kstep not in KSTEP_MODES:
+            raise BundleError(f"{where}: kstep {p.kstep!r}: expected one of {', '.join(KSTEP_MODES)}")
+        return p
 
 
 def entry_key(entry, backend) -> Optional[str]:
@@ -134,7 +191,22 @@ def build(b: DrafterBuild, p: DraftModelParams) -> DraftModelDrafter:
         backend = replace(backend, kind="numpy_ref")  # no graph for this backend: run the draft in numpy
     cache = b.arena.allocate("draft", cache_shape(entry.spec), b.max_positions)
     model = open_model(b.bundle, entry.spec, files, backend, cache, label=f"drafter {b.name}")
-    return DraftModelDrafter(model, num_tokens=b.num_tokens, branching=b.branching)
+    return DraftModelDrafter(model, num_tokens=b.num_tokens, branching=b.branching,
+                             kstep=kstep_graph(b.bundle, files, backend, model, p.kstep))
+
+
+def kstep_graph(bundle, files: BackendFiles, backend, model, mode: str = "auto"):
+    """The draft model's K-step graph (params kstep_graph / kstep_steps of its onnx entry) over `model`'s cache,
+    or None: another backend, an entry without one (an older export), a GroupQueryAttention step graph, mode "off",
+    or mode "auto" on CPU execution providers only (see DraftModelParams)."""
+    rel = files.params.get("kstep_graph")
+    if backend.kind != "onnx" or not rel or getattr(model, "shared_kv", True) or mode == "off":
+        return None
+    if mode == "auto" and all(p == "CPUExecutionProvider" for p in backend.providers):
+        return None
+    from runtime.backends.onnx_kstep import OnnxKStep
+    return OnnxKStep(model, bundle.path(rel), int(files.params.get("kstep_steps", 1)), providers=backend.providers,
+                     threads=backend.threads)
 
 
 def memory(bundle, entry, p: DraftModelParams, backend: str) -> DrafterMemory:

@@ -1,0 +1,215 @@
+"""The draft model's K-step graph (export/onnx/kstep.py, runtime/backends/onnx_kstep.py): one ONNX Runtime run drafts
+the whole chain, processing the logits as runtime.sampling.process_logits and drawing by inverse CDF from the
+caller's uniforms. Exactness: its draws follow the q it returns, and that q is process_logits' distribution at the
+same inputs; a wrong temperature or top-p fed to it is caught. The drafter takes it for chains without a grammar
+and says so in the stats; a grammar request falls back to the step-wise path, visibly."""
+import shutil
+
+import numpy as np
+import pytest
+
+from runtime.certify.stat_tests import chi_square_gof
+from runtime.serving.session import GenerationParams, Session
+
+pytest.importorskip("onnxruntime", reason="the onnx extra (onnxruntime) is not installed")
+
+ALPHA = 1e-3  # significance of every chi-square test here
+DRAWS = 3000  # K-step runs per chi-square test (fixed seeds)
+PROMPT = "<|bos|><|text|>the robot opens the drawer and the drawer"
+SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02)
+
+
+@pytest.fixture(scope="module")
+def kstep_bundle(tiny_bundle, tmp_path_factory):
+    from export.onnx.bundle import add_onnx_to_bundle
+
+    root = str(tmp_path_factory.mktemp("kstep") / "bundle")
+    shutil.copytree(tiny_bundle, root)
+    add_onnx_to_bundle(root, "fp32", None, validate=True)  # the K-step graph checked against the numpy reference
+    _set_kstep(root, "on")  # "auto" takes it only on a GPU provider; these tests run it on the CPU one
+    return root
+
+
+def _set_kstep(root: str, mode: str) -> None:
+    import os
+
+    import yaml
+
+    path = os.path.join(root, "bundle.yaml")
+    with open(path) as f:
+        m = yaml.safe_load(f)
+    m["drafters"]["draft_model"]["params"] = {**(m["drafters"]["draft_model"].get("params") or {}), "kstep": mode}
+    with open(path, "w") as f:
+        yaml.safe_dump(m, f, sort_keys=False)
+
+
+@pytest.mark.parametrize("mode, runs", [("auto", False), ("off", False), ("on", True)])
+def test_the_kstep_param_chooses_the_path_auto_takes_it_only_on_a_gpu_provider(kstep_bundle, tmp_path, mode, runs):
+    root = str(tmp_path / "b")
+    shutil.copytree(kstep_bundle, root)
+    _set_kstep(root, mode)
+    spec = Session.open(root, drafter="draft_model", backend="onnx", max_context=256)
+    assert (spec.drafter.kstep is not None) == runs
+
+
+def test_an_unknown_kstep_mode_is_refused_naming_the_field(kstep_bundle, tmp_path):
+    from runtime.errors import EdgespecError
+
+    root = str(tmp_path / "b")
+    shutil.copytree(kstep_bundle, root)
+    _set_kstep(root, "fast")
+    with pytest.raises(EdgespecError, match="kstep 'fast': expected one of auto, on, off"):
+        Session.open(root, drafter="draft_model", backend="onnx", max_context=256)
+
+
+@pytest.fixture(scope="module")
+def draft(kstep_bundle):
+    """(drafter, context ids) of an ONNX session on the bundle, the drafter's cache holding all but the last 2 ids."""
+    session = Session.open(kstep_bundle, drafter="draft_model", backend="onnx", max_context=128)
+    return session.drafter, session.tokenizer.encode(PROMPT)
+
+
+def _draw_chains(drafter, context, params, n, seed):
+    """n K-step runs from the same cache state: (n, K) tokens and the q rows of the first run."""
+    model, ks = drafter.model, drafter.kstep
+    model.reset()
+    model.forward(np.asarray(context[:-2]), np.arange(len(context) - 2))
+    rng = np.random.default_rng(seed)
+    base = model.cache_len
+    chains, first_q = [], None
+    for _ in range(n):
+        model.keep(base, [])
+        tokens, q = ks.run(context[-2:], np.arange(base, len(context)), params, context, rng.random(ks.steps))
+        chains.append(tokens)
+        first_q = q if first_q is None else first_q
+    return np.stack(chains), first_q
+
+
+def _reference_q(drafter, context, params):
+    """process_logits of the draft's step-wise logits after `context`: the first drafted token's distribution."""
+    from runtime.sampling import process_logits
+
+    model = drafter.model
+    model.reset()
+    logits = model.forward(np.asarray(context), np.arange(len(context))).logits[-1]
+    return process_logits(logits, params, context)
+
+
+def test_bundle_export_records_the_kstep_graph_in_the_draft_models_onnx_entry(kstep_bundle):
+    from runtime.model import bundle as bundle_mod
+
+    entry = bundle_mod.load(kstep_bundle).drafters["draft_model"].backends["onnx"]
+    assert entry.params["kstep_steps"] == 4
+    assert entry.params["kstep_graph"] in entry.files
+
+
+def test_kstep_draws_follow_the_q_it_returns_and_process_logits_distribution(draft):
+    from runtime.sampling import SamplingParams
+
+    drafter, context = draft
+    params = SamplingParams(repetition_penalty=1.3, **SAMPLED)
+    chains, q = _draw_chains(drafter, context, params, DRAWS, seed=1)
+    want = _reference_q(drafter, context, params)
+    np.testing.assert_allclose(q[0], want, atol=1e-5)  # the q row the graph returns is process_logits'
+    counts = np.bincount(chains[:, 0], minlength=want.shape[0])
+    assert chi_square_gof(counts, q[0] / q[0].sum()).p_value > ALPHA
+    assert chi_square_gof(counts, want).p_value > ALPHA
+
+
+@pytest.mark.parametrize("wrong", [dict(temperature=1.6), dict(top_p=0.5)])
+def test_kstep_power_control_a_wrong_temperature_or_top_p_fed_to_the_graph_fails(draft, wrong):
+    """The same test must reject draws made under a processing other than the request's."""
+    from runtime.sampling import SamplingParams
+
+    drafter, context = draft
+    chains, _ = _draw_chains(drafter, context, SamplingParams(**{**SAMPLED, **wrong}), DRAWS, seed=2)
+    want = _reference_q(drafter, context, SamplingParams(**SAMPLED))
+    counts = np.bincount(chains[:, 0], minlength=want.shape[0])
+    assert chi_square_gof(counts, want).p_value < ALPHA
+
+
+def test_kstep_q_rows_after_the_first_are_process_logits_along_the_drafted_chain(draft):
+    """Rows 1..K-1 condition on the drafted tokens: each equals process_logits after context + the chain so far."""
+    from runtime.sampling import SamplingParams
+
+    drafter, context = draft
+    params = SamplingParams(**SAMPLED)
+    chains, q = _draw_chains(drafter, context, params, 1, seed=3)
+    for j in range(1, drafter.kstep.steps):
+        np.testing.assert_allclose(q[j], _reference_q(drafter, context + chains[0, :j].tolist(), params), atol=1e-5)
+
+
+@pytest.mark.parametrize("processing", [
+    dict(), dict(temperature=1.0), dict(temperature=0.7, top_k=3), dict(temperature=1.5, top_k=100),
+    dict(temperature=1.0, top_p=0.5), dict(temperature=3.0, top_p=0.999), dict(temperature=1.0, min_p=0.2),
+    dict(temperature=1.0, repetition_penalty=1.5), dict(repetition_penalty=2.0),
+    dict(temperature=1.0, allowed_tokens=(3, 5, 7, 11))],
+    ids=["greedy", "t1", "top_k_partial", "top_k_beyond_partial", "top_p", "top_p_beyond_partial", "min_p",
+         "penalty", "greedy_penalty", "allowed"])
+def test_kstep_q_equals_process_logits_for_every_processing_branch(draft, processing):
+    """Every branch of the graph's processing (greedy, top-k from a partial or a full sort, top-p within the
+    partial head or over the whole vocabulary, min-p, penalty, allowed tokens) gives process_logits' q."""
+    from runtime.sampling import SamplingParams
+
+    drafter, context = draft
+    params = SamplingParams(**processing)
+    _, q = _draw_chains(drafter, context, params, 1, seed=4)
+    np.testing.assert_allclose(q[0], _reference_q(drafter, context, params), atol=1e-5)
+
+
+def test_an_fp16_kstep_graph_matches_the_numpy_reference_within_fp16_tolerance(tiny_bundle, tmp_path):
+    from export.onnx.graph import TOLERANCE, export_draft_model_onnx, safetensors_weights
+    from export.onnx.kstep import export_kstep_onnx, validate_kstep
+    from runtime.model import bundle as bundle_mod
+
+    entry = bundle_mod.load(tiny_bundle).drafters["draft_model"]
+    w = safetensors_weights(bundle_mod.load(tiny_bundle), entry.files)
+    step = export_draft_model_onnx(entry.spec, w, str(tmp_path / "d.onnx"), "fp16")
+    kstep = export_kstep_onnx(entry.spec, w, str(tmp_path / "k.onnx"), 3, "fp16")
+    assert validate_kstep(entry.spec, w, kstep, step, 3, "fp16") <= TOLERANCE["fp16"]
+
+
+def test_greedy_draft_model_through_the_kstep_path_equals_plain_decoding(kstep_bundle):
+    plain = Session.open(kstep_bundle, drafter="none", backend="onnx", max_context=256)
+    spec = Session.open(kstep_bundle, drafter="draft_model", backend="onnx", max_context=256)
+    for prompt in (PROMPT, "<|bos|><|plan|>pick up the red cup<|sep|>"):
+        a = plain.generate(prompt, GenerationParams(max_tokens=24))
+        b = spec.generate(prompt, GenerationParams(max_tokens=24))
+        assert a.token_ids == b.token_ids
+        assert b.stats.draft_paths["kstep"] > 0 and b.stats.draft_paths["stepwise"] == 0
+
+
+def test_a_grammar_request_takes_the_stepwise_path_and_the_stats_say_so(kstep_bundle):
+    spec = Session.open(kstep_bundle, drafter="draft_model", backend="onnx", max_context=256)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    res = spec.generate("<|bos|><|plan|>answer<|sep|>", GenerationParams(max_tokens=12), json_schema=schema)
+    assert res.stats.draft_paths["kstep"] == 0 and res.stats.draft_paths["stepwise"] > 0
+    free = spec.generate(PROMPT, GenerationParams(max_tokens=12))  # the same session without a grammar: K-step again
+    assert free.stats.draft_paths["kstep"] > 0
+
+
+def test_kstep_on_a_device_arena_writes_the_same_rows_and_drafts_the_same_chain_as_on_the_host_arena(draft, kstep_bundle):
+    """The OrtValue arena a GPU uses (here on the CPU provider): K/V bound by device address, rows written in place."""
+    from runtime.backends.numpy_ref import cache_shape
+    from runtime.backends.onnx import OnnxTarget
+    from runtime.backends.onnx_kstep import OnnxKStep
+    from runtime.memory.kv import KVArena
+    from runtime.sampling import SamplingParams
+
+    drafter, context = draft
+    host = drafter.model
+    shape, n = cache_shape(host.spec), 64
+    dev = OnnxTarget(host.spec, host.model_path, KVArena.for_context({"d": shape}, n).allocate("d", shape, n),
+                     tap_names=(), arena_device="cpu")
+    ks = OnnxKStep(dev, drafter.kstep.model_path, drafter.kstep.steps)
+    params, u = SamplingParams(temperature=1.0), np.random.default_rng(5).random(ks.steps)
+    got = []
+    for model, kstep in ((host, drafter.kstep), (dev, ks)):
+        model.reset()
+        model.forward(np.asarray(context[:-2]), np.arange(len(context) - 2))
+        got.append(kstep.run(context[-2:], np.arange(len(context) - 2, len(context)), params, context, u))
+        assert model.cache_len == len(context) + ks.steps - 1
+    np.testing.assert_array_equal(got[0][0], got[1][0])
+    np.testing.assert_allclose(got[0][1], got[1][1], atol=1e-6)
+    for layer in range(host.spec.num_layers):
+        np.testing.assert_allclose(host.layer_kv(layer)[0], dev.layer_kv(layer)[0], atol=1e-6)
