@@ -10,7 +10,7 @@ import json
 import sys
 import time
 from dataclasses import replace
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from runtime.decode.engine import policy_key
 from runtime.errors import ConfigError, EdgespecError
 from runtime.serving.session import DRAFTER_CHOICES, GenerationParams, Session
 from runtime.serving.tuning import machine_fingerprint, template_of, template_prefixes, write_tune
-from runtime.speculation import CostModel, best_depth, speedup_over_plain
+from runtime.speculation import Calibration, CostModel, best_depth, speedup_over_plain
 
 HELP = """Measure this machine and choose each drafter's draft depth from the measurements.
 
@@ -84,10 +84,13 @@ def conditional(acceptance_by_depth: Sequence[float]) -> List[float]:
 
 
 def measure_drafter(session: Session, prompts: List[str], temps: Sequence[float], max_tokens: int,
-                    prefixes) -> Tuple[Dict[str, dict], float, float]:
-    """Acceptance per template/temperature key, and (seconds of drafting per cycle, mean nodes drafted per cycle)."""
+                    prefixes, calibrations: Optional[Dict[str, Calibration]] = None
+                    ) -> Tuple[Dict[str, dict], float, float]:
+    """Acceptance per template/temperature key, and (seconds of drafting per cycle, mean nodes drafted per cycle).
+    `calibrations`, if given, gathers acceptance against confidence per temperature class (greedy / sampled)."""
     by_key: Dict[str, List] = {}
     draft_s = cycles = 0.0
+    session.engine.record_confidence = calibrations is not None
     for t in temps:
         for i, prompt in enumerate(prompts):
             ids = session.tokenizer.encode(prompt)
@@ -96,6 +99,8 @@ def measure_drafter(session: Session, prompts: List[str], temps: Sequence[float]
             s = out.stats
             key = policy_key(template_of(ids, prefixes), ids, params.sampling())  # the key the rule will look up
             by_key.setdefault(key, []).append((s.cycles, s.acceptance_by_depth))
+            if calibrations is not None and s.calibration:
+                calibrations.setdefault(key.rsplit("/", 1)[-1], Calibration()).merge(Calibration.from_dict(s.calibration))
             draft_s += s.draft_s
             cycles += s.cycles
     result = {}
@@ -144,7 +149,9 @@ def run(args) -> int:
             continue
         try:
             deep.generate(prompts[0], GenerationParams(max_tokens=4))  # warm-up
-            templates, per_cycle, _ = measure_drafter(deep, prompts, (0.0, 1.0), args.max_tokens, prefixes)
+            calibrations: Dict[str, Calibration] = {}
+            templates, per_cycle, _ = measure_drafter(deep, prompts, (0.0, 1.0), args.max_tokens, prefixes,
+                                                      calibrations)
             nodes = float(np.mean([min(args.k_max, len(t["alphas"])) for t in templates.values()]))
         finally:
             deep.close()
@@ -161,7 +168,7 @@ def run(args) -> int:
             t.update(k=k, speedup=round(speedup_over_plain(t["alphas"], cost, k), 3),
                      fixed4_speedup=round(speedup_over_plain(t["alphas"], cost, min(4, args.k_max)), 3))
         drafters[name] = {"draft_fixed": fixed, "draft_per_node": per_node, "k_max": args.k_max,
-                          "templates": templates}
+                          "templates": templates, "calibration": {c: t.to_dict() for c, t in calibrations.items()}}
         log(f"{name}: drafting {fixed * 1e3:.2f} ms + {per_node * 1e3:.2f} ms/node; " + "; ".join(
             f"{key} k={t['k']} (x{t['speedup']:.2f}, fixed 4: x{t['fixed4_speedup']:.2f})" for key, t in templates.items()))
     entry = {"backend": backend, "precision": precision, "machine": machine_fingerprint(),

@@ -98,16 +98,21 @@ def test_adaptive_shapes_on_the_zoo_draft_where_it_pays_and_skip_where_it_does_n
 
 
 class Recording(AdaptivePolicy):
-    """The real rule, remembering the budgets it gave (so the test can check the shape really varied)."""
+    """The real rule, remembering the shapes the cycles drafted as (depth, nodes), so the test can check that the
+    shape really varied: the budget (0 or k_max) and the per-node rule's cuts below it."""
 
-    def budget(self, key):
-        k = super().budget(key)
-        self.seen.add(k)
-        return k
+    def observe_nodes(self, key, confidence, accepted):
+        self._nodes = len(confidence)
+        super().observe_nodes(key, confidence, accepted)
+
+    def observe(self, key, drafted, *rest):
+        self.seen.add((drafted, getattr(self, "_nodes", 0) if drafted else 0))
+        self._nodes = 0
+        super().observe(key, drafted, *rest)
 
 
 def varying_policy() -> Recording:
-    p = Recording(CostModel(((1, 1.0), (2, 1.3), (4, 1.7))), 3, probe_every=2, probe_depth=1, prior=0.6)
+    p = Recording(CostModel(((1, 1.0), (2, 1.1), (3, 1.3), (4, 1.7))), 3, probe_every=2, probe_depth=1, prior=0.6)
     p.seen = set()
     return p
 
@@ -125,7 +130,7 @@ def test_sampled_adaptive_shapes_pass_the_chi_square_test_through_the_real_draft
     s.engine.policy = varying_policy()
     (res,) = certify(s, CONTEXT, params, draws=3000, alpha=ALPHA, seed=11)
     assert res.passed, res
-    assert len(s.engine.policy.seen) > 1, "the budgets never varied: the test would not see a shape-dependent bias"
+    assert len(s.engine.policy.seen) > 1, "the shapes never varied: the test would not see a shape-dependent bias"
 
 
 def test_the_chi_square_test_rejects_a_wrong_rule_under_adaptive_shapes(tiny_bundle):
