@@ -284,7 +284,7 @@ class Calibration:
 
     >>> c = Calibration(prior_weight=0.0)
     >>> c.observe([0.95, 0.97, 0.15, 0.12], [True, True, False, True])
-    >>> round(float(c(0.975)), 3), round(float(c(0.15)), 3)  # at the bins' centres: 0.95-1.0 took 2 of 2, 0.1-0.2 1 of 2
+    >>> round(float(c(0.975)), 3), round(float(c(0.15)), 3)  # bin centres: 0.95-1 took 2 of 2, 0.1-0.2 1 of 2
     (1.0, 0.5)"""
     edges: Tuple[float, ...] = CONF_EDGES
     drafted: List[float] = field(default_factory=list)  # [b]: nodes whose confidence fell in bin b

@@ -17,11 +17,12 @@ import numpy as np
 from runtime.commands.bench import bench_prompts, read_prompts
 from runtime.commands.bench_backend import CONTROL, interleaved_grid
 from runtime.commands.common import add_model_args, runtime_config, split_list
+from runtime.commands.tune_plot import write_tune_plots
 from runtime.decode.engine import policy_key
 from runtime.errors import ConfigError, EdgespecError
 from runtime.serving.session import DRAFTER_CHOICES, GenerationParams, Session
 from runtime.serving.tuning import machine_fingerprint, template_of, template_prefixes, write_tune
-from runtime.speculation import Calibration, CostModel, best_depth, speedup_over_plain
+from runtime.speculation import Calibration, CostModel, best_depth, rate, speedup_over_plain
 
 HELP = """Measure this machine and choose each drafter's draft depth from the measurements.
 
@@ -55,7 +56,10 @@ def register(sub) -> None:
     p.add_argument("--rounds", type=int, default=5, help="rounds of the verify-cost grid (default 5)")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per measuring request (default 48)")
     p.add_argument("--dry-run", action="store_true", help="measure and print, write nothing")
-    p.add_argument("--json", action="store_true", help="print the tune as one JSON object")
+    p.add_argument("--json", action="store_true", help="print the tune as one JSON object (with each drafter's "
+                                                       "calibration: acceptance against confidence)")
+    p.add_argument("--plot", metavar="DIR", help="also write PNGs into DIR (needs matplotlib): verify cost by rows, "
+                                                 "acceptance vs confidence, expected vs measured tokens/s")
     p.set_defaults(func=run)
 
 
@@ -98,17 +102,20 @@ def measure_drafter(session: Session, prompts: List[str], temps: Sequence[float]
             out = session.generate(prompt, params)
             s = out.stats
             key = policy_key(template_of(ids, prefixes), ids, params.sampling())  # the key the rule will look up
-            by_key.setdefault(key, []).append((s.cycles, s.acceptance_by_depth))
+            by_key.setdefault(key, []).append((s.cycles, s.acceptance_by_depth, s.tokens, s.wall_s - s.prefill_s))
             if calibrations is not None and s.calibration:
-                calibrations.setdefault(key.rsplit("/", 1)[-1], Calibration()).merge(Calibration.from_dict(s.calibration))
+                cls = key.rsplit("/", 1)[-1]  # greedy / sampled: what a confidence means differs between them
+                calibrations.setdefault(cls, Calibration()).merge(Calibration.from_dict(s.calibration))
             draft_s += s.draft_s
             cycles += s.cycles
     result = {}
     for key, rows in by_key.items():
-        depth = max(len(a) for _, a in rows)
-        acc = [sum(c * a[d] for c, a in rows if d < len(a)) / max(1, sum(c for c, a in rows if d < len(a)))
+        depth = max(len(a) for _, a, _, _ in rows)
+        acc = [sum(c * a[d] for c, a, _, _ in rows if d < len(a)) / max(1, sum(c for c, a, _, _ in rows if d < len(a)))
                for d in range(depth)]
-        result[key] = {"alphas": conditional(acc), "cycles": int(sum(c for c, _ in rows))}
+        decode_s = sum(w for _, _, _, w in rows)
+        result[key] = {"alphas": conditional(acc), "cycles": int(sum(c for c, _, _, _ in rows)),
+                       "measured_tok_s": round(sum(n for _, _, n, _ in rows) / decode_s, 2) if decode_s > 0 else 0.0}
     return result, draft_s / max(cycles, 1.0), cycles
 
 
@@ -166,7 +173,8 @@ def run(args) -> int:
         for key, t in templates.items():
             k = best_depth(t["alphas"], cost, args.k_max)
             t.update(k=k, speedup=round(speedup_over_plain(t["alphas"], cost, k), 3),
-                     fixed4_speedup=round(speedup_over_plain(t["alphas"], cost, min(4, args.k_max)), 3))
+                     fixed4_speedup=round(speedup_over_plain(t["alphas"], cost, min(4, args.k_max)), 3),
+                     expected_tok_s=round(rate(t["alphas"], cost, args.k_max), 2))  # the shape it measured
         drafters[name] = {"draft_fixed": fixed, "draft_per_node": per_node, "k_max": args.k_max,
                           "templates": templates, "calibration": {c: t.to_dict() for c, t in calibrations.items()}}
         log(f"{name}: drafting {fixed * 1e3:.2f} ms + {per_node * 1e3:.2f} ms/node; " + "; ".join(
@@ -176,11 +184,14 @@ def run(args) -> int:
              "seconds": round(time.perf_counter() - t0, 1), "control": round(control, 3),
              "verify": [[n, s] for n, s in curve], "drafters": drafters, "skipped": skipped}
     path = None if args.dry_run else write_tune(cfg.bundle, entry)
+    plots = write_tune_plots(entry, args.plot) if args.plot else []
     if args.json:
         print(json.dumps(entry))
     else:
         print_tune(entry)
         print(f"tune: {'not written (--dry-run)' if path is None else 'wrote ' + path} after {entry['seconds']:.0f} s")
+    for p in plots:
+        log(f"wrote {p}")
     return 0
 
 
