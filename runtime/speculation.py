@@ -213,7 +213,7 @@ class AdaptivePolicy:
         if not self.per_node:
             return None
         cost = self.current_cost()
-        return NodeRule(cost, self.calibration(key), self._rate.get(key) or 1.0 / cost.verify_s(1))
+        return NodeRule.make(cost, self.calibration(key), self._rate.get(key) or 1.0 / cost.verify_s(1), self.k_max)
 
     def observe_nodes(self, key: str, confidence: Sequence[float], accepted: Sequence[bool]) -> None:
         """The cycle's drafted nodes: path confidences and which were accepted (the calibration learns on)."""
@@ -349,6 +349,33 @@ class Calibration:
             raise ValueError(f"{where}: expected edges, drafted and accepted lists of numbers ({exc})") from None
 
 
+def marginal_verify(cost: CostModel, k_max: int) -> Tuple[float, ...]:
+    """Seconds the (n + 1)-th drafted node adds to the verify, n = 0 .. k_max - 1, read off the lower convex hull
+    of verify(1 .. k_max + 1): a one-off jump (on a CPU, 2 rows leave the matrix-vector path and cost far more
+    than 1, then extra rows are nearly free) is spread over the nodes it buys instead of charged to the first, and
+    a noisy point above the hull is ignored; where the curve is convex already (a GPU's), the hull is the curve.
+
+    >>> marginal_verify(CostModel(((1, 1.0), (2, 1.6), (5, 1.9))), 4)  # hull 1.0 -> 1.9 over 4 rows, then flat
+    (0.225, 0.225, 0.225, 0.225)
+    >>> marginal_verify(CostModel(((1, 1.0), (3, 1.0), (5, 2.0))), 4)  # convex: free, free, then 0.5 a row
+    (0.0, 0.0, 0.5, 0.5)"""
+    pts = [(n, cost.verify_s(n)) for n in range(1, k_max + 2)]
+    hull: List[Tuple[int, float]] = []
+    for p in pts:
+        while len(hull) >= 2 and _cross(hull[-2], hull[-1], p) <= 0:
+            hull.pop()
+        hull.append(p)
+    slopes = []
+    for (n0, s0), (n1, s1) in zip(hull, hull[1:]):
+        slopes += [max(0.0, (s1 - s0) / (n1 - n0))] * (n1 - n0)
+    return tuple(round(x, 12) for x in slopes)
+
+
+def _cross(o, a, b) -> float:
+    """> 0 when o -> a -> b turns left (a lies below the chord o-b: a stays on the lower hull)."""
+    return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
+
+
 @dataclass(frozen=True)
 class NodeRule:
     """Whether the next drafted node pays: its expected gain g (tokens it adds on average) against its marginal
@@ -362,11 +389,21 @@ class NodeRule:
     cost: CostModel
     calibration: Calibration
     rate: float  # expected tokens per second of the cycle (units of the cost model)
+    # Marginal verify seconds of node n + 1 at [n] (`marginal_verify`); empty: read off the cost model directly
+    slopes: Tuple[float, ...] = ()
+
+    @staticmethod
+    def make(cost: CostModel, calibration: Calibration, rate: float, k_max: int) -> "NodeRule":
+        return NodeRule(cost, calibration, rate, marginal_verify(cost, k_max))
 
     def margin(self, nodes: int) -> float:
         """Tokens the (nodes + 1)-th node must earn to pay for itself."""
         c = self.cost
-        return self.rate * (c.verify_s(nodes + 2) - c.verify_s(nodes + 1) + c.draft_per_node)
+        if self.slopes:
+            row = self.slopes[min(nodes, len(self.slopes) - 1)]
+        else:
+            row = c.verify_s(nodes + 2) - c.verify_s(nodes + 1)
+        return self.rate * (row + c.draft_per_node)
 
     def pays(self, gain: float, nodes: int) -> bool:
         return gain >= self.margin(nodes)

@@ -98,3 +98,17 @@ def test_the_calibration_never_believes_a_surer_path_is_accepted_less_often():
     assert rates == sorted(rates)
     back = Calibration.from_dict(c.to_dict())
     assert back.drafted == c.drafted and back.accepted == c.accepted
+
+
+def test_a_cpus_one_off_jump_to_two_verify_rows_is_spread_over_the_nodes_it_buys():
+    """On a CPU a 2-row verify leaves the matrix-vector path (here +0.6 step), then more rows are nearly free: a
+    rule charging the whole jump to the first node would never draft there; read off the cost's lower convex
+    hull, four nodes the calibration says are always accepted pay (0.45 tokens a node at 2 tokens/step, where the
+    first node alone would have to earn 1.2)."""
+    cost = CostModel(((1, 1.0), (2, 1.6), (5, 1.9)))
+    cal = Calibration(prior_weight=0.0)
+    cal.observe([0.05, 0.97, 0.85, 0.75, 0.65], [False, True, True, True, True])
+    naive = NodeRule(cost, cal, rate=2.0)
+    hull = NodeRule.make(cost, cal, rate=2.0, k_max=4)
+    assert naive.keep_chain([None] * 4, [0.9] * 4, deterministic=True) == 0
+    assert hull.keep_chain([None] * 4, [0.9] * 4, deterministic=True) == 4
