@@ -15,12 +15,19 @@ tokens keep the target's distribution whatever this module decides; greedy outpu
 
 For a tree drafter the node budget K caps the tree's nodes and alpha_d is measured along its accepted path; the
 chain formula then under-states what K tree nodes earn, which errs towards drafting less (never towards losing to
-plain decoding, which K = 0 still guards)."""
+plain decoding, which K = 0 still guards).
+
+Within a cycle that drafts, `NodeRule` (below) cuts the draft node by node: a node is kept only while its
+expected gain, from the drafter's calibrated confidence, beats its marginal draft + verify cost; so a chain stops
+on an uncertain token, EAGLE-2's tree keeps the nodes it earns and a DFlash block is cut where its slots stop
+paying. Every drafter asks the same rule through `DraftContext.stop`."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 
 def expected_tokens(alphas: Sequence[float]) -> float:
@@ -165,6 +172,11 @@ class AdaptivePolicy:
     _verify: Dict[int, float] = field(default_factory=dict)  # learnt seconds per verify rows (EMA)
     _draft: Optional[float] = None  # learnt seconds per drafted node (EMA)
     _best: Dict[str, int] = field(default_factory=dict)  # best_depth per template, until its inputs change
+    _rate: Dict[str, float] = field(default_factory=dict)  # ... and the rate it expects there
+    # Per-node early stopping (NodeRule): where drafting pays, the drafter gets k_max nodes and keeps each only
+    # while its calibrated gain beats its cost; the depth search above then only decides whether to draft at all.
+    per_node: bool = True
+    calibrations: Dict[str, Calibration] = field(default_factory=dict)  # per temperature class: greedy / sampled
 
     def tracker(self, key: str) -> AcceptanceTracker:
         if key not in self.trackers:
@@ -175,10 +187,12 @@ class AdaptivePolicy:
         """The node budget for the next cycle of a request of template `key`."""
         k = self._best.get(key)
         if k is None:  # recomputed only when what it depends on moved: a cycle that drafts nothing costs a lookup
-            k = self._best[key] = best_depth(self.tracker(key).alphas(self.k_max), self.current_cost(), self.k_max)
+            alphas, cost = self.tracker(key).alphas(self.k_max), self.current_cost()
+            k = self._best[key] = best_depth(alphas, cost, self.k_max)
+            self._rate[key] = rate(alphas, cost, k)
         if k > 0:
             self.idle[key] = 0
-            return k
+            return self.k_max if self.per_node else k
         self.idle[key] = self.idle.get(key, 0) + 1
         if self.probe_every and self.idle[key] >= self.probe_every:
             self.idle[key] = 0
@@ -186,6 +200,24 @@ class AdaptivePolicy:
             return min(self.probe_depth, self.k_max)
         self.skipped += 1
         return 0
+
+    def calibration(self, key: str) -> Calibration:
+        """The confidence calibration of the key's temperature class ("planner/greedy" -> "greedy")."""
+        cls = key.rsplit("/", 1)[-1]
+        if cls not in self.calibrations:
+            self.calibrations[cls] = Calibration(prior=self.prior)
+        return self.calibrations[cls]
+
+    def node_rule(self, key: str) -> Optional["NodeRule"]:
+        """The per-node rule for the cycle `budget(key)` just sized (None when per-node stopping is off)."""
+        if not self.per_node:
+            return None
+        cost = self.current_cost()
+        return NodeRule.make(cost, self.calibration(key), self._rate.get(key) or 1.0 / cost.verify_s(1), self.k_max)
+
+    def observe_nodes(self, key: str, confidence: Sequence[float], accepted: Sequence[bool]) -> None:
+        """The cycle's drafted nodes: path confidences and which were accepted (the calibration learns on)."""
+        self.calibration(key).observe(confidence, accepted)
 
     def observe(self, key: str, drafted: int, accepted: int, verify_rows: int, verify_s: float,
                 draft_s: float) -> None:
@@ -225,3 +257,188 @@ def speedup_over_plain(alphas: Sequence[float], cost: CostModel, k: int) -> floa
     1.936"""
     plain = rate(alphas, cost, 0)
     return rate(alphas, cost, k) / plain if plain > 0 and math.isfinite(plain) else 0.0
+
+
+# -- per-node early stopping from calibrated confidence ---------------------------------------------------------
+#
+# A node's confidence is the drafter's probability of its path: the product of q's probability of each drafted
+# token from depth 1 down to the node (greedy, where q is one-hot: the probability at temperature 1 that the
+# drafter ranked by). `edgespec tune` measures how often a node of a given confidence is accepted (a
+# Calibration); within a cycle, a drafter then keeps a node only while its expected gain (the probability that
+# it is accepted, i.e. the tokens it adds on average) beats its marginal draft + verify cost at the rate the
+# cycle is expected to earn. Stopping never changes the output's distribution as long as a SAMPLED node's fate
+# is decided before its own draw is looked at (the draw may then be kept or dropped, but not because of its
+# value): its expected gain is taken over q, E_{x~q}[cal(parent * q(x))]. A point-mass node (greedy, top-k,
+# EAGLE-2's tree) is a function of the drafter's state, so its own confidence may decide it.
+
+# finer towards 0: a path's confidence is a product, so deep or sampled nodes sit far below 0.1
+CONF_EDGES = (0.0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+@dataclass
+class Calibration:
+    """P(a drafted node is accepted | its path confidence), as counts per confidence bin (`edges`), pulled by
+    `prior_weight` pseudo-nodes per bin towards `prior` (a bin never seen is believed accepted at that rate, so
+    that it gets drafted and measured: a drafter's q can be flat and still agree with a flat target), and made
+    non-decreasing in confidence (a more confident path is never believed to be accepted less often).
+
+    >>> c = Calibration(prior_weight=0.0)
+    >>> c.observe([0.95, 0.97, 0.15, 0.12], [True, True, False, True])
+    >>> round(float(c(0.975)), 3), round(float(c(0.15)), 3)  # bin centres: 0.95-1 took 2 of 2, 0.1-0.2 1 of 2
+    (1.0, 0.5)"""
+    edges: Tuple[float, ...] = CONF_EDGES
+    drafted: List[float] = field(default_factory=list)  # [b]: nodes whose confidence fell in bin b
+    accepted: List[float] = field(default_factory=list)  # [b]: ... and were accepted
+    prior_weight: float = 1.0
+    prior: float = 0.5
+    _table: Optional[Tuple[List[float], List[float]]] = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        bins = len(self.edges) - 1
+        self.drafted = [float(x) for x in self.drafted] or [0.0] * bins
+        self.accepted = [float(x) for x in self.accepted] or [0.0] * bins
+        if len(self.drafted) != bins or len(self.accepted) != bins:
+            raise ValueError(f"calibration: {bins} bins for {len(self.edges)} edges, got {len(self.drafted)} "
+                             f"drafted and {len(self.accepted)} accepted counts")
+
+    def observe(self, confidence: Sequence[float], accepted: Sequence[bool]) -> None:
+        """One cycle's drafted nodes: their path confidences and whether each was accepted."""
+        if len(confidence) == 0:
+            return
+        bins = np.clip(np.searchsorted(self.edges, confidence, side="right") - 1, 0, len(self.drafted) - 1)
+        for b, a in zip(bins.tolist(), accepted):
+            self.drafted[b] += 1.0
+            self.accepted[b] += float(bool(a))
+        self._table = None
+
+    def merge(self, other: "Calibration") -> None:
+        self.drafted = [a + b for a, b in zip(self.drafted, other.drafted)]
+        self.accepted = [a + b for a, b in zip(self.accepted, other.accepted)]
+        self._table = None
+
+    def table(self) -> Tuple[List[float], List[float]]:
+        """(bin centres, calibrated acceptance at each): non-decreasing (pool-adjacent-violators, by weight)."""
+        if self._table is None:
+            centres = [(a + b) / 2 for a, b in zip(self.edges, self.edges[1:])]
+            w = self.prior_weight
+            blocks: List[List[float]] = []  # [mean, weight, bins pooled]
+            for c, n, k in zip(centres, self.drafted, self.accepted):
+                blocks.append([(k + w * self.prior) / (n + w) if n + w > 0 else self.prior, n + w, 1])
+                while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                    (m1, w1, b1), (m2, w2, b2) = blocks.pop(-2), blocks.pop()
+                    blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2) if w1 + w2 > 0 else (m1 + m2) / 2, w1 + w2,
+                                   b1 + b2])
+            rates = [m for m, _, b in blocks for _ in range(int(b))]
+            self._table = centres, rates
+        return self._table
+
+    def __call__(self, confidence):
+        """Calibrated acceptance of a node of this path confidence (a float, or an array of them)."""
+        xs, ys = self.table()
+        return np.interp(confidence, xs, ys)
+
+    def to_dict(self) -> Dict[str, List[float]]:
+        return {"edges": list(self.edges), "drafted": [round(x, 3) for x in self.drafted],
+                "accepted": [round(x, 3) for x in self.accepted]}
+
+    @staticmethod
+    def from_dict(d: Dict, where: str = "calibration") -> "Calibration":
+        try:
+            return Calibration(tuple(float(e) for e in d["edges"]), list(d["drafted"]), list(d["accepted"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: expected edges, drafted and accepted lists of numbers ({exc})") from None
+
+
+def marginal_verify(cost: CostModel, k_max: int) -> Tuple[float, ...]:
+    """Seconds the (n + 1)-th drafted node adds to the verify, n = 0 .. k_max - 1, read off the lower convex hull
+    of verify(1 .. k_max + 1): a one-off jump (on a CPU, 2 rows leave the matrix-vector path and cost far more
+    than 1, then extra rows are nearly free) is spread over the nodes it buys instead of charged to the first, and
+    a noisy point above the hull is ignored; where the curve is convex already (a GPU's), the hull is the curve.
+
+    >>> marginal_verify(CostModel(((1, 1.0), (2, 1.6), (5, 1.9))), 4)  # hull 1.0 -> 1.9 over 4 rows, then flat
+    (0.225, 0.225, 0.225, 0.225)
+    >>> marginal_verify(CostModel(((1, 1.0), (3, 1.0), (5, 2.0))), 4)  # convex: free, free, then 0.5 a row
+    (0.0, 0.0, 0.5, 0.5)"""
+    pts = [(n, cost.verify_s(n)) for n in range(1, k_max + 2)]
+    hull: List[Tuple[int, float]] = []
+    for p in pts:
+        while len(hull) >= 2 and _cross(hull[-2], hull[-1], p) <= 0:
+            hull.pop()
+        hull.append(p)
+    slopes = []
+    for (n0, s0), (n1, s1) in zip(hull, hull[1:]):
+        slopes += [max(0.0, (s1 - s0) / (n1 - n0))] * (n1 - n0)
+    return tuple(round(x, 12) for x in slopes)
+
+
+def _cross(o, a, b) -> float:
+    """> 0 when o -> a -> b turns left (a lies below the chord o-b: a stays on the lower hull)."""
+    return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
+
+
+@dataclass(frozen=True)
+class NodeRule:
+    """Whether the next drafted node pays: its expected gain g (tokens it adds on average) against its marginal
+    cost, one more verify row plus one draft step, valued at `rate`, the tokens per second the cycle is expected
+    to earn (the policy's best rate): keep it iff g >= rate * (verify(n + 2) - verify(n + 1) + draft_per_node)
+    with n nodes kept so far. The drafter's fixed cost is sunk once it proposes, so it is not in the margin.
+
+    >>> rule = NodeRule(CostModel(((1, 1.0), (2, 1.2))), Calibration(), rate=1.5)
+    >>> rule.pays(0.4, 0), rule.pays(0.25, 0)  # the margin is 1.5 * 0.2 = 0.3 tokens
+    (True, False)"""
+    cost: CostModel
+    calibration: Calibration
+    rate: float  # expected tokens per second of the cycle (units of the cost model)
+    # Marginal verify seconds of node n + 1 at [n] (`marginal_verify`); empty: read off the cost model directly
+    slopes: Tuple[float, ...] = ()
+
+    @staticmethod
+    def make(cost: CostModel, calibration: Calibration, rate: float, k_max: int) -> "NodeRule":
+        return NodeRule(cost, calibration, rate, marginal_verify(cost, k_max))
+
+    def margin(self, nodes: int) -> float:
+        """Tokens the (nodes + 1)-th node must earn to pay for itself."""
+        c = self.cost
+        if self.slopes:
+            row = self.slopes[min(nodes, len(self.slopes) - 1)]
+        else:
+            row = c.verify_s(nodes + 2) - c.verify_s(nodes + 1)
+        return self.rate * (row + c.draft_per_node)
+
+    def pays(self, gain: float, nodes: int) -> bool:
+        return gain >= self.margin(nodes)
+
+    def fixed_gain(self, path_confidence: float) -> float:
+        """Expected gain of a point-mass node (its token is a function of the drafter's state) of this path
+        confidence."""
+        return float(self.calibration(path_confidence))
+
+    def drawn_gain(self, parent_confidence: float, q: np.ndarray) -> float:
+        """Expected gain of a SAMPLED node under `parent_confidence`, averaged over its proposal q (V,): it never
+        reads the drawn token, so dropping the node is independent of the draw and the verifier stays exact.
+
+        >>> cal = Calibration(prior_weight=0.0)
+        >>> cal.observe([0.55, 0.95], [False, True])  # half-sure nodes were rejected, sure ones accepted
+        >>> rule = NodeRule(CostModel(((1, 1.0),)), cal, rate=1.0)
+        >>> rule.drawn_gain(1.0, np.array([0.5, 0.5])), round(rule.drawn_gain(1.0, np.array([0.025, 0.975])), 3)
+        (0.0, 0.975)"""
+        live = q[q > 0]
+        return float(np.dot(live, self.calibration(parent_confidence * live)))
+
+    def keep_chain(self, qs: Sequence[np.ndarray], confidence: Sequence[float], deterministic: bool,
+                   nodes: int = 0) -> int:
+        """How many of a drafted chain's nodes to keep (nodes already kept before it: `nodes`). Node t is decided
+        by the confidences of nodes < t and its own q; its own drawn confidence only when it is a point mass.
+
+        >>> cal = Calibration(prior_weight=0.0)
+        >>> cal.observe([0.85, 0.75, 0.25], [True, True, False])
+        >>> rule = NodeRule(CostModel(((1, 1.0), (2, 1.2))), cal, rate=1.5)
+        >>> rule.keep_chain([None] * 3, [0.9, 0.8, 0.3], deterministic=True)  # paths 0.9, 0.72, 0.216
+        2"""
+        parent = 1.0
+        for t, c in enumerate(confidence):
+            g = self.fixed_gain(parent * c) if deterministic else self.drawn_gain(parent, qs[t])
+            if not self.pays(g, nodes + t):
+                return t
+            parent *= c
+        return len(confidence)

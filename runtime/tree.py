@@ -24,6 +24,8 @@ class DraftTree:
     parents: np.ndarray  # (n,) int64; -1 = child of the root; parents[i] < i
     q: Optional[np.ndarray] = None  # (n, V) float64: distribution node i was drawn from (its parent's drafter dist)
     deterministic: Optional[np.ndarray] = None  # (n,) bool: point-mass node (argmax / top-k / n-gram)
+    # (n,) float64: the drafter's probability of node i's path (runtime/speculation.py), where it reports one
+    confidence: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
         self.tokens = np.asarray(self.tokens, dtype=np.int64).reshape(-1)

@@ -70,7 +70,8 @@ def run(args) -> int:
         print(f"-- plan: {'valid' if res.plan_ok else 'INVALID: ' + res.plan_error}")
     s = res.stats
     shape = s.shape if s.drafter == "none" or s.shape == "fixed" else (
-        f"{s.shape}, mean budget {s.mean_budget:.1f} nodes, {s.skipped_cycles} of {s.cycles} cycles drafted nothing")
+        f"{s.shape}, mean budget {s.mean_budget:.1f} nodes, {s.mean_nodes:.1f} drafted, {s.skipped_cycles} of "
+        f"{s.cycles} cycles drafted nothing")
     print(f"-- {s.tokens} tokens, finish={res.finish_reason}, drafter={s.drafter}, backend={s.backend}, shape={shape}")
     print(f"-- tau={s.tau:.2f} tokens/verify, target forwards={s.target_forwards}, {s.tokens_per_s:.1f} tokens/s, "
           f"ttft={s.ttft_s * 1e3:.1f} ms ({s.prefill_tokens} prompt tokens prefilled, {s.prefix_tokens} kept by the "

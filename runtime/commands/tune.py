@@ -10,18 +10,19 @@ import json
 import sys
 import time
 from dataclasses import replace
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from runtime.commands.bench import bench_prompts, read_prompts
 from runtime.commands.bench_backend import CONTROL, interleaved_grid
 from runtime.commands.common import add_model_args, runtime_config, split_list
+from runtime.commands.tune_plot import write_tune_plots
 from runtime.decode.engine import policy_key
 from runtime.errors import ConfigError, EdgespecError
 from runtime.serving.session import DRAFTER_CHOICES, GenerationParams, Session
 from runtime.serving.tuning import machine_fingerprint, template_of, template_prefixes, write_tune
-from runtime.speculation import CostModel, best_depth, speedup_over_plain
+from runtime.speculation import Calibration, CostModel, best_depth, rate, speedup_over_plain
 
 HELP = """Measure this machine and choose each drafter's draft depth from the measurements.
 
@@ -55,7 +56,10 @@ def register(sub) -> None:
     p.add_argument("--rounds", type=int, default=5, help="rounds of the verify-cost grid (default 5)")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per measuring request (default 48)")
     p.add_argument("--dry-run", action="store_true", help="measure and print, write nothing")
-    p.add_argument("--json", action="store_true", help="print the tune as one JSON object")
+    p.add_argument("--json", action="store_true", help="print the tune as one JSON object (with each drafter's "
+                                                       "calibration: acceptance against confidence)")
+    p.add_argument("--plot", metavar="DIR", help="also write PNGs into DIR (needs matplotlib): verify cost by rows, "
+                                                 "acceptance vs confidence, expected vs measured tokens/s")
     p.set_defaults(func=run)
 
 
@@ -84,10 +88,13 @@ def conditional(acceptance_by_depth: Sequence[float]) -> List[float]:
 
 
 def measure_drafter(session: Session, prompts: List[str], temps: Sequence[float], max_tokens: int,
-                    prefixes) -> Tuple[Dict[str, dict], float, float]:
-    """Acceptance per template/temperature key, and (seconds of drafting per cycle, mean nodes drafted per cycle)."""
+                    prefixes, calibrations: Optional[Dict[str, Calibration]] = None
+                    ) -> Tuple[Dict[str, dict], float, float]:
+    """Acceptance per template/temperature key, and (seconds of drafting per cycle, mean nodes drafted per cycle).
+    `calibrations`, if given, gathers acceptance against confidence per temperature class (greedy / sampled)."""
     by_key: Dict[str, List] = {}
     draft_s = cycles = 0.0
+    session.engine.record_confidence = calibrations is not None
     for t in temps:
         for i, prompt in enumerate(prompts):
             ids = session.tokenizer.encode(prompt)
@@ -95,15 +102,20 @@ def measure_drafter(session: Session, prompts: List[str], temps: Sequence[float]
             out = session.generate(prompt, params)
             s = out.stats
             key = policy_key(template_of(ids, prefixes), ids, params.sampling())  # the key the rule will look up
-            by_key.setdefault(key, []).append((s.cycles, s.acceptance_by_depth))
+            by_key.setdefault(key, []).append((s.cycles, s.acceptance_by_depth, s.tokens, s.wall_s - s.prefill_s))
+            if calibrations is not None and s.calibration:
+                cls = key.rsplit("/", 1)[-1]  # greedy / sampled: what a confidence means differs between them
+                calibrations.setdefault(cls, Calibration()).merge(Calibration.from_dict(s.calibration))
             draft_s += s.draft_s
             cycles += s.cycles
     result = {}
     for key, rows in by_key.items():
-        depth = max(len(a) for _, a in rows)
-        acc = [sum(c * a[d] for c, a in rows if d < len(a)) / max(1, sum(c for c, a in rows if d < len(a)))
+        depth = max(len(a) for _, a, _, _ in rows)
+        acc = [sum(c * a[d] for c, a, _, _ in rows if d < len(a)) / max(1, sum(c for c, a, _, _ in rows if d < len(a)))
                for d in range(depth)]
-        result[key] = {"alphas": conditional(acc), "cycles": int(sum(c for c, _ in rows))}
+        decode_s = sum(w for _, _, _, w in rows)
+        result[key] = {"alphas": conditional(acc), "cycles": int(sum(c for c, _, _, _ in rows)),
+                       "measured_tok_s": round(sum(n for _, _, n, _ in rows) / decode_s, 2) if decode_s > 0 else 0.0}
     return result, draft_s / max(cycles, 1.0), cycles
 
 
@@ -144,7 +156,9 @@ def run(args) -> int:
             continue
         try:
             deep.generate(prompts[0], GenerationParams(max_tokens=4))  # warm-up
-            templates, per_cycle, _ = measure_drafter(deep, prompts, (0.0, 1.0), args.max_tokens, prefixes)
+            calibrations: Dict[str, Calibration] = {}
+            templates, per_cycle, _ = measure_drafter(deep, prompts, (0.0, 1.0), args.max_tokens, prefixes,
+                                                      calibrations)
             nodes = float(np.mean([min(args.k_max, len(t["alphas"])) for t in templates.values()]))
         finally:
             deep.close()
@@ -159,9 +173,10 @@ def run(args) -> int:
         for key, t in templates.items():
             k = best_depth(t["alphas"], cost, args.k_max)
             t.update(k=k, speedup=round(speedup_over_plain(t["alphas"], cost, k), 3),
-                     fixed4_speedup=round(speedup_over_plain(t["alphas"], cost, min(4, args.k_max)), 3))
+                     fixed4_speedup=round(speedup_over_plain(t["alphas"], cost, min(4, args.k_max)), 3),
+                     expected_tok_s=round(rate(t["alphas"], cost, args.k_max), 2))  # the shape it measured
         drafters[name] = {"draft_fixed": fixed, "draft_per_node": per_node, "k_max": args.k_max,
-                          "templates": templates}
+                          "templates": templates, "calibration": {c: t.to_dict() for c, t in calibrations.items()}}
         log(f"{name}: drafting {fixed * 1e3:.2f} ms + {per_node * 1e3:.2f} ms/node; " + "; ".join(
             f"{key} k={t['k']} (x{t['speedup']:.2f}, fixed 4: x{t['fixed4_speedup']:.2f})" for key, t in templates.items()))
     entry = {"backend": backend, "precision": precision, "machine": machine_fingerprint(),
@@ -169,11 +184,14 @@ def run(args) -> int:
              "seconds": round(time.perf_counter() - t0, 1), "control": round(control, 3),
              "verify": [[n, s] for n, s in curve], "drafters": drafters, "skipped": skipped}
     path = None if args.dry_run else write_tune(cfg.bundle, entry)
+    plots = write_tune_plots(entry, args.plot) if args.plot else []
     if args.json:
         print(json.dumps(entry))
     else:
         print_tune(entry)
         print(f"tune: {'not written (--dry-run)' if path is None else 'wrote ' + path} after {entry['seconds']:.0f} s")
+    for p in plots:
+        log(f"wrote {p}")
     return 0
 
 

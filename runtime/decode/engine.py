@@ -19,7 +19,7 @@ from runtime.drafters.base import DraftContext, Drafter, common_prefix_len
 from runtime.errors import RequestError
 from runtime.text.grammar import Grammar, GrammarState
 from runtime.sampling import SamplingParams, process_logits, process_logits_batch, sample
-from runtime.speculation import AdaptivePolicy
+from runtime.speculation import AdaptivePolicy, Calibration
 from runtime.tree import DraftTree, flatten
 from runtime.verify import verify_greedy, verify_sampled
 
@@ -63,6 +63,10 @@ class DecodeStats:
     mean_budget: float = 0.0  # mean node budget the adaptive rule gave the drafter per cycle
     # Proposals of this request per drafting path (Drafter.draft_paths: "kstep" / "stepwise"); {} for one path.
     draft_paths: Dict[str, int] = field(default_factory=dict)
+    mean_nodes: float = 0.0  # mean nodes drafted per cycle (the per-node rule may stop below the budget)
+    # Acceptance against the drafter's confidence (runtime.speculation.Calibration.to_dict: counts per bin of
+    # path confidence), where the drafter reports confidences (adaptive shapes, or Engine.record_confidence).
+    calibration: Dict[str, List[float]] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, object]:
         return dict(self.__dict__)
@@ -125,6 +129,7 @@ class Engine:
         self._cached_by: Optional[TargetBackend] = None  # ... in this backend (certify swaps in a wrapper)
         self.prefix_hits = 0
         self.prefix_misses = 0
+        self.record_confidence = False  # drafters report confidences even with fixed shapes (edgespec tune)
 
     @property
     def shape(self) -> str:
@@ -166,6 +171,8 @@ class Engine:
                             shape=self.shape)
         key = policy_key(template, prompt, params)
         budgets: List[int] = []
+        nodes: List[int] = []  # drafted per cycle
+        calibration = Calibration()
         emitted_by_cycles = 0  # accepted + 1 per cycle, before EOS / max_tokens cut the output
         depth_tried: List[int] = []
         depth_hit: List[int] = []
@@ -196,7 +203,9 @@ class Engine:
             finish = stop.reason()
             if finish:
                 break
-            cycle = self._cycle(context, params, rng, draft_rng, max_tokens - len(out), stats, state, key, budgets)
+            cycle = self._cycle(context, params, rng, draft_rng, max_tokens - len(out), stats, state, key, budgets,
+                                calibration)
+            nodes.append(cycle["nodes"])
             stats.cycles += 1
             stats.target_forwards += 1
             emitted_by_cycles += len(cycle["emitted"])
@@ -222,6 +231,8 @@ class Engine:
         stats.mean_budget = float(np.mean(budgets)) if budgets else 0.0
         if self.drafter is not None:
             stats.draft_paths = {k: n - paths_before.get(k, 0) for k, n in self.drafter.draft_paths.items()}
+        stats.mean_nodes = float(np.mean(nodes)) if nodes else 0.0
+        stats.calibration = calibration.to_dict() if sum(calibration.drafted) else {}
         stats.tokens_per_s = len(out) / stats.wall_s if stats.wall_s > 0 else 0.0
         stats.other_s = stats.wall_s - stats.prefill_s - stats.draft_s - stats.verify_s  # spans never overlap
         stats.grammar_s = state.seconds if state is not None else 0.0
@@ -263,7 +274,8 @@ class Engine:
         return first, res.taps, start, -(-(len(prompt) - start) // self.prefill_chunk)
 
     def _cycle(self, context: List[int], params: SamplingParams, rng, draft_rng, remaining: int, stats: DecodeStats,
-               grammar: Optional[GrammarState] = None, key: str = "", budgets: Optional[List[int]] = None):
+               grammar: Optional[GrammarState] = None, key: str = "", budgets: Optional[List[int]] = None,
+               calibration: Optional[Calibration] = None):
         """One draft -> verify -> accept cycle. Returns the emitted tokens and what was drafted/accepted.
 
         Under a grammar, verify row r (root, then node i) is masked by the grammar state after the root +
@@ -276,12 +288,15 @@ class Engine:
         if self.drafter is not None and remaining > 1:
             td = time.perf_counter()
             max_nodes = min(target.max_cache_len - base - 1, remaining - 1)
+            stop = None
             if self.policy is not None:
                 max_nodes = min(max_nodes, self.policy.budget(key))
                 budgets.append(max_nodes)
+                stop = self.policy.node_rule(key)  # from past cycles and the cost model only
             if max_nodes > 0:
                 allowed = grammar.allowed if grammar is not None else None
-                tree = self.drafter.propose(DraftContext(context, params, draft_rng, max_nodes, allowed))
+                record = self.record_confidence or self.policy is not None
+                tree = self.drafter.propose(DraftContext(context, params, draft_rng, max_nodes, allowed, stop, record))
             draft_s = time.perf_counter() - td
             stats.draft_s += draft_s
         tokens, positions, mask = flatten(tree, context[-1], base, base)
@@ -303,9 +318,17 @@ class Engine:
             self.drafter.accept(result.accepted, committed, {k: v[sel] for k, v in res.taps.items()})
             stats.draft_s += time.perf_counter() - td
         depth = int(tree.depths().max()) if len(tree) else 0
+        if tree.confidence is not None and len(tree):  # acceptance against confidence, for the per-node rule
+            hit = np.zeros(len(tree), bool)
+            hit[list(result.accepted)] = True
+            if calibration is not None:
+                calibration.observe(tree.confidence, hit)
+            if self.policy is not None:
+                self.policy.observe_nodes(key, tree.confidence, hit)
         if self.policy is not None and budgets:
             self.policy.observe(key, depth, len(result.accepted), len(tokens), verify_s, draft_s)
-        return {"emitted": committed[1:] + [result.next_token], "accepted": len(result.accepted), "drafted_depth": depth}
+        return {"emitted": committed[1:] + [result.next_token], "accepted": len(result.accepted), "drafted_depth": depth,
+                "nodes": len(tree)}
 
     @staticmethod
     def _histories(context: List[int], tree: DraftTree) -> List[List[int]]:

@@ -26,6 +26,7 @@ from runtime.memory.kv import CacheShape, KVArena
 from runtime.memory.plan import DrafterMemory
 from runtime.sampling import SamplingParams
 from runtime.siblings import draw_siblings
+from runtime.speculation import NodeRule
 from runtime.tree import DraftTree
 
 
@@ -45,6 +46,14 @@ class DraftContext:
     max_nodes: int  # at most this many nodes (what is left of the context budget)
     # The request's grammar (runtime/text/grammar.py): path after the root -> (V,) bool allowed mask; None = none.
     allowed: Optional[Callable[[Sequence[int]], np.ndarray]] = None
+    # Per-node early stopping (runtime.speculation.NodeRule): a drafter keeps a node only while rule.pays(...);
+    # None = draft the whole shape. It sees only what the drafter knows, never the target's outputs.
+    stop: Optional[NodeRule] = None
+    record_confidence: bool = False  # report each node's path confidence (DraftTree.confidence) for calibration
+
+    @property
+    def wants_confidence(self) -> bool:
+        return self.stop is not None or self.record_confidence
 
     def mask(self, path: Sequence[int] = ()) -> Optional[np.ndarray]:
         """(V,) bool: the tokens the grammar allows after root + `path`; None when the request has no grammar.

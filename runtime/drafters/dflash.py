@@ -25,7 +25,7 @@ from runtime.backends.factory import load_weights
 from runtime.backends.numpy_ref import cache_shape
 from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec
 from runtime.drafters.heads import HeadRunner, head_graphs
-from runtime.drafters.shared import pick, ranking_params
+from runtime.drafters.shared import node_confidence, pick, ranking_params
 from runtime.errors import BundleError
 from runtime.memory import plan as memory_plan
 from runtime.memory.bundle_sizes import entry_numel, target_embedding_copy_bytes
@@ -313,8 +313,18 @@ class DFlashDrafter(Drafter):
                 drafted.append(pick(q, ctx.params, ctx.rng))
                 qs.append(q)
         greedy = ctx.params.greedy
+        conf = None
+        if ctx.wants_confidence:
+            own = [float(q[t]) if self.p.v2 or not greedy else
+                   node_confidence(logits[i], q, t, ctx.params, list(tokens) + drafted[:i], ctx.mask(drafted[:i]))
+                   for i, (q, t) in enumerate(zip(qs, drafted))]
+            if ctx.stop is not None:  # the block is cut where its slots stop paying
+                cut = ctx.stop.keep_chain(qs, own, greedy)
+                drafted, qs, own = drafted[:cut], qs[:cut], own[:cut]
+            conf = np.cumprod(np.asarray(own, np.float64))
         return DraftTree(tokens=np.asarray(drafted, np.int64), parents=np.arange(-1, len(drafted) - 1, dtype=np.int64),
-                         q=None if greedy else np.stack(qs), deterministic=np.full(len(drafted), greedy))
+                         q=None if greedy or not qs else np.stack(qs), deterministic=np.full(len(drafted), greedy),
+                         confidence=conf)
 
     def _flush_context(self, anchor: int, anchor_pos: int) -> None:
         """No room to draft: still move the pending context into the cache (a block of the anchor alone)."""

@@ -20,6 +20,8 @@ the EAGLE-2 tree (see `dynamic_tree`), whose nodes are deterministic top-k picks
 any temperature: the verifier accepts x with p(x), and on rejection zeroes x in p."""
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, replace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -63,7 +65,8 @@ class DynamicTree:
         return tree
 
 
-def dynamic_tree(expand, root_scores: np.ndarray, tree: DynamicTree, max_nodes: int) -> Tuple[List[int], List[int]]:
+def dynamic_tree(expand, root_scores: np.ndarray, tree: DynamicTree, max_nodes: int,
+                 stop=None) -> Tuple[List[int], List[int], List[float]]:
     """EAGLE-2's tree from drafter log-probabilities: take the root's top_k children; then, `depth - 1` times,
     expand every frontier node into its top_k children, record all of them, and make the top_k of this
     level's children by CUMULATIVE log-probability (the log-probability of the path) the next frontier.
@@ -72,11 +75,17 @@ def dynamic_tree(expand, root_scores: np.ndarray, tree: DynamicTree, max_nodes: 
     kept set holds every kept node's parent; nodes keep creation order, so parents precede children.
 
     `expand(nodes, tokens, parents)` runs the draft layer on those frontier nodes (tokens / parents: every
-    node created so far) and returns their (len(nodes), V) log-probability rows. Returns (tokens, parents) with parents as indices into the returned nodes.
+    node created so far) and returns their (len(nodes), V) log-probability rows. Returns (tokens, parents, path
+    confidences exp(score)) with parents as indices into the returned nodes.
 
     Example, top_k 2, depth 2, total_tokens 3: root log-probs a -0.1, b -2.5 -> nodes a, b; expanding them
     gives a:(c -0.2, d -3.0), b:(e -0.1, f -0.5) -> cumulative c -0.3, d -3.1, e -2.6, f -3.0. Ranked: a -0.1,
     c -0.3, b -2.5, e -2.6 ... -> keep a, b, c: tokens (a, b, c), parents (-1, -1, 0).
+
+    `stop` (runtime.speculation.NodeRule): the tree gets the nodes it earns: the reranked nodes are kept while
+    the calibrated acceptance of their path (confidence exp(score)) pays for one more verify row, and a level is
+    not expanded when not even a certain child of its best node could pay. Every node is a point mass (a
+    function of the drafter's state), so deciding by its own score keeps verification exact.
     """
     tokens: List[int] = []
     parents: List[int] = []
@@ -93,8 +102,9 @@ def dynamic_tree(expand, root_scores: np.ndarray, tree: DynamicTree, max_nodes: 
         return made
 
     frontier = children_of(-1, root_scores, 0.0)
+    floor = min(stop.margin(n) for n in range(max(1, min(tree.total_tokens, max_nodes)))) if stop else 0.0
     for _ in range(tree.depth - 1):
-        if not frontier:
+        if not frontier or (stop is not None and stop.fixed_gain(math.exp(scores[frontier[0]])) < floor):
             break
         rows = expand(frontier, tokens, parents)
         level: List[int] = []
@@ -102,9 +112,13 @@ def dynamic_tree(expand, root_scores: np.ndarray, tree: DynamicTree, max_nodes: 
             level += children_of(node, logp, scores[node])
         frontier = sorted(level, key=lambda n: (-scores[n], n))[:tree.top_k]
     keep = sorted(range(len(tokens)), key=lambda n: (-scores[n], n))[:min(tree.total_tokens, max_nodes)]
+    if stop is not None:  # best first, so the kept nodes stay a prefix of the ranking (parents before children)
+        paying = [stop.pays(stop.fixed_gain(math.exp(scores[n])), i) for i, n in enumerate(keep)]
+        keep = keep[:paying.index(False) if False in paying else len(keep)]
     keep.sort()
     index = {n: i for i, n in enumerate(keep)}
-    return [tokens[n] for n in keep], [index[parents[n]] if parents[n] >= 0 else -1 for n in keep]
+    return ([tokens[n] for n in keep], [index[parents[n]] if parents[n] >= 0 else -1 for n in keep],
+            [math.exp(scores[n]) for n in keep])
 
 
 class EagleDrafter(Drafter):
@@ -341,10 +355,11 @@ class EagleDrafter(Drafter):
                 res.append(log_q(logits[j], [toks[a] for a in path]))
             return res
 
-        toks, pars = dynamic_tree(expand, log_q(root_logits, []), tree, ctx.max_nodes)
+        toks, pars, conf = dynamic_tree(expand, log_q(root_logits, []), tree, ctx.max_nodes, ctx.stop)
         if not toks:
             return empty_tree()
-        return DraftTree(tokens=np.asarray(toks, np.int64), parents=np.asarray(pars, np.int64))
+        return DraftTree(tokens=np.asarray(toks, np.int64), parents=np.asarray(pars, np.int64),
+                         confidence=np.asarray(conf, np.float64) if ctx.wants_confidence else None)
 
 
 # -- built from a bundle entry ------------------------------------------------------------------

@@ -35,7 +35,7 @@ import numpy as np
 from runtime.backends.factory import load_weights
 from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec, draft_cache_shapes
 from runtime.drafters.heads import HeadRunner, head_graphs
-from runtime.drafters.shared import pick
+from runtime.drafters.shared import node_confidence, pick
 from runtime.errors import BundleError
 from runtime.memory.kv import CacheShape, KVCache
 from runtime.memory.bundle_sizes import entry_numel, target_embedding_copy_bytes
@@ -275,6 +275,9 @@ class MTPDrafter(Drafter):
         qs = []
         temp: List[np.ndarray] = []  # the previous module's outputs at its temporary rows
         h_last = None
+        stop, greedy = ctx.stop, ctx.params.greedy  # per-node early stopping (runtime/speculation.NodeRule)
+        conf: List[float] = []  # path confidence per drafted node
+        path = 1.0
         for j in range(depth):
             seq = tokens + drafted
             if j < len(self.modules):
@@ -283,14 +286,23 @@ class MTPDrafter(Drafter):
             else:  # the last module again, on its own output at the next position (a temporary row)
                 h_last, logits = self.modules[-1].run(h_last, [drafted[-1]], n - 2 + j - len(self.modules) + 1)
                 h_last = h_last[-1:]
-            q = process_logits(logits, ctx.params, seq, ctx.mask(drafted))
-            drafted.append(pick(q, ctx.params, ctx.rng))
+            m = ctx.mask(drafted)
+            q = process_logits(logits, ctx.params, seq, m)
+            if stop is not None and not greedy and not stop.pays(stop.drawn_gain(path, q), j):
+                break  # decided on q before the draw (exact)
+            t = pick(q, ctx.params, ctx.rng)
+            c = path * node_confidence(logits, q, t, ctx.params, seq, m) if ctx.wants_confidence else 1.0
+            if stop is not None and greedy and not stop.pays(stop.fixed_gain(c), j):
+                break
+            drafted.append(t)
             qs.append(q)
+            conf.append(c)
+            path = c
         if not drafted:
             return empty_tree()
-        greedy = ctx.params.greedy
         return DraftTree(tokens=np.asarray(drafted, np.int64), parents=np.arange(-1, len(drafted) - 1, dtype=np.int64),
-                         q=None if greedy else np.stack(qs), deterministic=np.full(len(drafted), greedy))
+                         q=None if greedy else np.stack(qs), deterministic=np.full(len(drafted), greedy),
+                         confidence=np.asarray(conf, np.float64) if ctx.wants_confidence else None)
 
     def _run_module(self, i: int, seq: Sequence[int], temp: List[np.ndarray], n: int):
         """Module i over its rows r .. n-2 (r: its committed rows; seq = committed tokens + the i drafted):

@@ -55,6 +55,15 @@ def tree_mask(base: int, ancestor_rows: Sequence[Sequence[int]], start: int) -> 
     return m
 
 
+def node_confidence(logits: np.ndarray, q: np.ndarray, token: int, params: SamplingParams, history: Sequence[int],
+                    mask: Optional[np.ndarray] = None) -> float:
+    """q's probability of the drafted token; greedy (q one-hot): that of the distribution it was ranked by
+    (temperature 1), which says how sure the drafter was. Example: logits (0, ln 3), greedy, token 1 -> 0.75."""
+    if not params.greedy:
+        return float(q[token])
+    return float(process_logits(logits, ranking_params(params), history, mask)[token])
+
+
 def grow_chains(ctx, history: List[int], root_logits: np.ndarray, width: int, depth: int, rule: Callable,
                 run: Callable[[List[int], List[int], List[int], int], np.ndarray]) -> DraftTree:
     """`width` chains split at the root by `pick_children`, each grown to `depth` tokens. Level d (1..depth-1) runs
@@ -62,28 +71,56 @@ def grow_chains(ctx, history: List[int], root_logits: np.ndarray, width: int, de
     (the drafter puts those rows in its cache under a `tree_mask`), then extends every chain by one `pick` from its
     processed q (history + the chain's tokens, the grammar's mask at that path). ctx: the DraftContext.
 
+    With `ctx.stop` (runtime.speculation.NodeRule) a chain ends at the first node that does not pay, and a level
+    is not run at all when even a certain next token could not pay for any chain (the gain of a child is at most
+    the calibrated acceptance of its parent's path).
+
     Example, width 2, depth 2, greedy: the root's top-2 tokens a, b; one run over [a, b] -> their argmaxes c, d:
     tokens (a, b, c, d), parents (-1, -1, 0, 1)."""
-    params = ctx.params
+    params, stop, want = ctx.params, ctx.stop, ctx.wants_confidence
     mask0 = ctx.mask(())  # the request's grammar, applied to q exactly as to p
     q0 = process_logits(root_logits, params, history, mask0)
     firsts = pick_children(root_logits, q0, params, history, width, ctx.rng, rule, mask0)
     deterministic = firsts.deterministic
-    tokens: List[int] = firsts.tokens.tolist()
-    parents: List[int] = [-1] * len(tokens)
-    qs: List[np.ndarray] = [q0] * len(tokens) if deterministic else list(firsts.proposals)
+    tokens: List[int] = []
+    parents: List[int] = []
+    qs: List[np.ndarray] = []
+    conf: List[float] = []  # path confidence per node
+    for j, t in enumerate(firsts.tokens.tolist()):
+        q = q0 if deterministic else firsts.proposals[j]
+        c = node_confidence(root_logits, q, t, params, history, mask0) if want else 1.0
+        if stop is not None and not stop.pays(stop.fixed_gain(c) if deterministic else stop.drawn_gain(1.0, q), j):
+            break  # siblings come best first: the rest pay less
+        tokens.append(t)
+        parents.append(-1)
+        qs.append(q)
+        conf.append(c)
     frontier = list(range(len(tokens)))  # each chain's last node
     for d in range(1, depth):
+        if stop is not None and not any(stop.pays(stop.fixed_gain(conf[n]), len(tokens)) for n in frontier):
+            break
+        if not frontier:
+            break
         logits = run(frontier, tokens, parents, d)
         new_frontier = []
         for j, node in enumerate(frontier):
             path = [tokens[a] for a in path_to(parents, node)]
-            q = process_logits(logits[j], params, history + path, ctx.mask(path))
+            m = ctx.mask(path)
+            q = process_logits(logits[j], params, history + path, m)
+            if stop is not None and not deterministic and not stop.pays(stop.drawn_gain(conf[node], q), len(tokens)):
+                continue  # decided before looking at the draw (exact)
+            t = pick(q, params, ctx.rng)
+            c = conf[node] * node_confidence(logits[j], q, t, params, history + path, m) if want else 1.0
+            if stop is not None and deterministic and not stop.pays(stop.fixed_gain(c), len(tokens)):
+                continue
             new_frontier.append(len(tokens))
-            tokens.append(pick(q, params, ctx.rng))
+            tokens.append(t)
             parents.append(node)
             qs.append(q)
+            conf.append(c)
         frontier = new_frontier
     return DraftTree(tokens=np.asarray(tokens, np.int64), parents=np.asarray(parents, np.int64),
-                     q=None if deterministic else np.stack(qs), deterministic=np.full(len(tokens), deterministic))
+                     q=None if deterministic or not tokens else np.stack(qs),
+                     deterministic=np.full(len(tokens), deterministic),
+                     confidence=np.asarray(conf, np.float64) if want else None)
 

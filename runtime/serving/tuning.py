@@ -18,6 +18,9 @@ atomically, one entry at a time.
           draft_per_node: 0.0012                     # ... seconds per drafted node
           k_max: 8
           templates: {planner/greedy: {alphas: [0.93, 0.9, ...], k: 6, speedup: 2.1}, ...}
+          calibration:                               # acceptance against the drafter's path confidence
+            greedy: {edges: [0.0, 0.02, ...], drafted: [310, ...], accepted: [12, ...]}
+            sampled: {...}
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from typing import Dict, List, Optional, Tuple
 import yaml
 
 from runtime.errors import BundleError
-from runtime.speculation import AcceptanceTracker, AdaptivePolicy, CostModel, default_cost
+from runtime.speculation import AcceptanceTracker, AdaptivePolicy, Calibration, CostModel, default_cost
 
 TUNE_FILE = "tune.yaml"
 SHAPES = ("auto", "fixed", "adaptive")
@@ -136,6 +139,12 @@ def choose_shape(shape: str, bundle_dir: str, backend: str, precision: str, draf
     policy = AdaptivePolicy(cost, k_max)
     for key, t in (tuned.get("templates") or {}).items():  # the tune's acceptance is the starting belief
         policy.trackers[key] = seeded_tracker(t.get("alphas") or [], t.get("cycles", 8))
+    where = f"{os.path.join(bundle_dir, TUNE_FILE)}: drafters.{drafter}.calibration"
+    for cls, table in (tuned.get("calibration") or {}).items():  # ... and so is its confidence calibration
+        try:
+            policy.calibrations[cls] = Calibration.from_dict(table, f"{where}.{cls}")
+        except ValueError as exc:
+            raise BundleError(f"{exc}; run `edgespec tune --bundle {bundle_dir}` again") from None
     return ShapeChoice(policy, k_max, "adaptive (tuned)", note)
 
 

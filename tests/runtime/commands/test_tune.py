@@ -87,3 +87,23 @@ def test_tune_json_is_the_entry_it_wrote(tuned, capsys):
                  "--max-tokens", "4", "--k-max", "2", "--max-context", "256", "--dry-run", "--json"]) == 0
     entry = json.loads(capsys.readouterr().out)
     assert set(entry["drafters"]) == {"ngram"} and yaml.safe_dump(entry)
+    assert "calibration" in entry["drafters"]["ngram"]  # (empty: an n-gram drafter has no confidence)
+
+
+def test_tune_writes_each_drafters_acceptance_against_confidence_and_a_session_starts_from_it(tuned):
+    (entry,) = read_tunes(tuned)
+    cal = entry["drafters"]["draft_model"]["calibration"]
+    assert set(cal) == {"greedy", "sampled"}
+    for table in cal.values():
+        assert len(table["drafted"]) == len(table["edges"]) - 1 and sum(table["drafted"]) > 0
+        assert all(0 <= a <= n for a, n in zip(table["accepted"], table["drafted"]))
+    s = Session.open(tuned, drafter="draft_model", max_context=256)
+    assert s.engine.policy.calibrations["greedy"].drafted == [float(x) for x in cal["greedy"]["drafted"]]
+    s.close()
+
+
+def test_tune_plot_writes_the_cost_curve_the_calibration_and_expected_against_measured_rates(tuned, tmp_path):
+    out = tmp_path / "plots"
+    assert main(["tune", "--bundle", tuned, "--backend", "numpy_ref", "--drafters", "draft_model", "--rounds", "1",
+                 "--max-tokens", "4", "--k-max", "2", "--max-context", "256", "--dry-run", "--plot", str(out)]) == 0
+    assert sorted(os.listdir(out)) == ["calibration.png", "cost.png", "rates.png"]

@@ -13,6 +13,7 @@ from runtime.sampling import SamplingParams
 from runtime.serving.session import GenerationParams, Session
 from runtime.speculation import AcceptanceTracker, AdaptivePolicy, CostModel, best_depth
 from runtime.text.prompts import action_prompt, planner_prompt
+from runtime.tree import DraftTree
 from tests.runtime.certify.test_certify import ALPHA, CONTEXT, always_accept
 from tests.support import REPO_ROOT
 
@@ -98,16 +99,21 @@ def test_adaptive_shapes_on_the_zoo_draft_where_it_pays_and_skip_where_it_does_n
 
 
 class Recording(AdaptivePolicy):
-    """The real rule, remembering the budgets it gave (so the test can check the shape really varied)."""
+    """The real rule, remembering the shapes the cycles drafted as (depth, nodes), so the test can check that the
+    shape really varied: the budget (0 or k_max) and the per-node rule's cuts below it."""
 
-    def budget(self, key):
-        k = super().budget(key)
-        self.seen.add(k)
-        return k
+    def observe_nodes(self, key, confidence, accepted):
+        self._nodes = len(confidence)
+        super().observe_nodes(key, confidence, accepted)
+
+    def observe(self, key, drafted, *rest):
+        self.seen.add((drafted, getattr(self, "_nodes", 0) if drafted else 0))
+        self._nodes = 0
+        super().observe(key, drafted, *rest)
 
 
 def varying_policy() -> Recording:
-    p = Recording(CostModel(((1, 1.0), (2, 1.3), (4, 1.7))), 3, probe_every=2, probe_depth=1, prior=0.6)
+    p = Recording(CostModel(((1, 1.0), (2, 1.1), (3, 1.3), (4, 1.7))), 3, probe_every=2, probe_depth=1, prior=0.6)
     p.seen = set()
     return p
 
@@ -125,7 +131,7 @@ def test_sampled_adaptive_shapes_pass_the_chi_square_test_through_the_real_draft
     s.engine.policy = varying_policy()
     (res,) = certify(s, CONTEXT, params, draws=3000, alpha=ALPHA, seed=11)
     assert res.passed, res
-    assert len(s.engine.policy.seen) > 1, "the budgets never varied: the test would not see a shape-dependent bias"
+    assert len(s.engine.policy.seen) > 1, "the shapes never varied: the test would not see a shape-dependent bias"
 
 
 def test_the_chi_square_test_rejects_a_wrong_rule_under_adaptive_shapes(tiny_bundle):
@@ -135,3 +141,108 @@ def test_the_chi_square_test_rejects_a_wrong_rule_under_adaptive_shapes(tiny_bun
     (res,) = certify(s, CONTEXT, SamplingParams(temperature=1.0), draws=1500, alpha=ALPHA, verifier=always_accept)
     assert not res.passed and res.first_p_value < ALPHA
     assert np.isfinite(res.first_p_value)
+
+
+def cut_by_own_draw(propose):
+    """A WRONG per-node rule, the power control: it drops a sampled node (and its subtree) when its own draw is
+    less likely under q than q's average draw, i.e. it decides a node by the value it drew. The real rule decides
+    a sampled node on q alone, before the draw."""
+    def wrapped(ctx):
+        tree = propose(ctx)
+        if not len(tree) or tree.q is None:
+            return tree
+        own = tree.q[np.arange(len(tree)), tree.tokens]
+        dropped = np.zeros(len(tree), bool)
+        for i, par in enumerate(tree.parents.tolist()):
+            dropped[i] = (par >= 0 and dropped[par]) or own[i] < np.dot(tree.q[i], tree.q[i])
+        keep = np.flatnonzero(~dropped)
+        index = {int(n): j for j, n in enumerate(keep)}
+        if not len(keep):
+            return DraftTree(np.zeros(0, np.int64), np.zeros(0, np.int64))
+        return DraftTree(tree.tokens[keep], [index[int(p)] if p >= 0 else -1 for p in tree.parents[keep]],
+                         q=tree.q[keep], deterministic=tree.deterministic[keep])
+    return wrapped
+
+
+@pytest.mark.parametrize("branching", [1, 2])
+@pytest.mark.parametrize("wrong", [False, True])
+def test_the_per_node_rule_keeps_the_target_law_and_one_deciding_a_sampled_node_by_its_draw_does_not(
+        tiny_bundle, branching, wrong):
+    """Chains and trees, sampled, chi-square at alpha 0.001 over 6000 draws (fixed seed): the real per-node rule
+    passes, and the same run with the power control on top (a node dropped when its own draw was unlikely under
+    q, a bias of about 0.06 in total variation at the first token here) fails."""
+    s = Session.open(tiny_bundle, drafter="draft_model", max_context=128)
+    s.drafter.branching = branching
+    # verify rows nearly free: the real rule keeps most nodes, so the wrong cut, where on, decides the shape
+    s.engine.policy = AdaptivePolicy(CostModel(((1, 1.0), (2, 1.01), (4, 1.03))), 3, prior=0.9)
+    if wrong:
+        s.drafter.propose = cut_by_own_draw(s.drafter.propose)
+    (res,) = certify(s, CONTEXT, SamplingParams(temperature=1.0), draws=6000, alpha=ALPHA, seed=11)
+    assert res.passed != wrong, res
+    if wrong:
+        assert min(res.first_p_value, res.pair_p_value) < ALPHA
+
+
+class Scrambled:
+    """The target with every output logit row shuffled: the same cache, positions and taps, other answers."""
+
+    def __init__(self, target, peeked):
+        self.t, self.peeked = target, peeked
+
+    def __getattr__(self, name):
+        return getattr(self.t, name)
+
+    def forward(self, tokens, positions, mask=None, taps=()):
+        res = self.t.forward(tokens, positions, mask, taps)
+        res.logits = res.logits[:, ::-1].copy()
+        self.peeked.append(len(tokens))
+        return res
+
+
+def first_cycle_tree(session, prompt_ids, scrambled: bool, peek_rule: bool = False):
+    """The tree the first cycle drafts after `prompt_ids` (its root fixed), the target scrambled or not."""
+    eng = session.engine
+    real = eng.target
+    peeked = []
+    if scrambled:
+        eng.target = Scrambled(real, peeked)
+    trees = []
+    propose = session.drafter.propose
+
+    def recording(ctx):
+        tree = propose(ctx)
+        if peek_rule:  # the control: a rule that sizes the chain by what the target says after the root
+            out = eng.target.forward(np.asarray([ctx.tokens[-1]]), np.asarray([len(ctx.tokens) - 1]))
+            eng.target.keep(len(ctx.tokens) - 1, [])
+            n = int(np.argmax(out.logits[0])) % (len(tree) + 1)
+            tree = DraftTree(tree.tokens[:n], tree.parents[:n], None if tree.q is None else tree.q[:n],
+                             tree.deterministic[:n])
+        trees.append(tree)
+        return tree
+
+    session.drafter.propose = recording
+    try:
+        eng.policy = AdaptivePolicy(CostModel(((1, 1.0), (2, 1.1), (3, 1.3), (4, 1.7))), 3, prior=0.6)
+        eng.generate(prompt_ids, SamplingParams(temperature=1.0), max_tokens=8, seed=3, first_token=int(prompt_ids[-1]))
+    finally:
+        del session.drafter.propose
+        eng.target = real
+    return trees[0]
+
+
+@pytest.mark.parametrize("peek", [False, True])
+def test_a_cycles_draft_shape_never_depends_on_the_targets_outputs_for_that_cycle(tiny_bundle, peek):
+    """The per-node rule decides from the drafter's side only (q, its confidences, the cost model): the first
+    cycle drafts the same tree against the target and against one whose every logit row is scrambled. The
+    control, a rule that asks the target whether to keep the first node, drafts differently: the test sees it."""
+    s = Session.open(tiny_bundle, drafter="draft_model", max_context=128)
+    ids = s.tokenizer.encode(CONTEXT[0])
+    trees = []
+    for scrambled in (False, True):
+        tree = first_cycle_tree(s, ids, scrambled, peek)
+        trees.append((tree.tokens.tolist(), tree.parents.tolist()))
+    s.close()
+    if peek:
+        assert trees[0] != trees[1], "the control rule peeked at the target and should have drafted differently"
+    else:
+        assert trees[0] == trees[1] and len(trees[0][0]) > 0, trees

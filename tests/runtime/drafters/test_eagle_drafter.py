@@ -115,9 +115,9 @@ def test_dynamic_tree_keeps_the_best_paths_parents_first():
     def expand(frontier, tokens, parents):
         return [logp(rows.get(tokens[n], {})) for n in frontier]
 
-    tokens, parents = dynamic_tree(expand, logp({0: -0.1, 1: -2.5}), DynamicTree(3, 2, 2), 100)
+    tokens, parents, _ = dynamic_tree(expand, logp({0: -0.1, 1: -2.5}), DynamicTree(3, 2, 2), 100)
     assert (tokens, parents) == ([0, 1, 2], [-1, -1, 0])
-    tokens, parents = dynamic_tree(expand, logp({0: -0.1, 1: -2.5}), DynamicTree(60, 2, 2), 100)
+    tokens, parents, _ = dynamic_tree(expand, logp({0: -0.1, 1: -2.5}), DynamicTree(60, 2, 2), 100)
     assert tokens == [0, 1, 2, 3, 4, 5] and parents == [-1, -1, 0, 0, 1, 1]
     assert dynamic_tree(expand, logp({0: -0.1, 1: -2.5}), DynamicTree(60, 2, 2), 4)[0] == [0, 1, 2, 4]
 
@@ -211,7 +211,7 @@ def claim_draws_from_q(s, monkeypatch) -> None:
     rows = {}  # token path from the root -> the drafter's log q after it
     real_tree = eagle_module.dynamic_tree
 
-    def recording_tree(expand, root_scores, tree, max_nodes):
+    def recording_tree(expand, root_scores, tree, max_nodes, stop=None):
         rows[()] = root_scores
 
         def path(n, tokens, parents):
@@ -227,7 +227,7 @@ def claim_draws_from_q(s, monkeypatch) -> None:
                 rows[path(n, tokens, parents)] = logq
             return got
 
-        return real_tree(expand_and_record, root_scores, tree, max_nodes)
+        return real_tree(expand_and_record, root_scores, tree, max_nodes, stop)
 
     monkeypatch.setattr(eagle_module, "dynamic_tree", recording_tree)
     propose = s.drafter.propose

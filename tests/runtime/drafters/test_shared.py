@@ -41,7 +41,8 @@ def test_path_to_is_draft_tree_path_on_a_tree_being_built():
 def test_grow_chains_runs_each_level_once_and_extends_every_chain_by_its_argmax():
     # Logits over 6 tokens where the argmax after token t is t + 2: chains 0 -> 2 -> 4 and 1 -> 3 -> 5.
     V = 6
-    ctx = SimpleNamespace(params=SamplingParams(), rng=np.random.default_rng(0), mask=lambda path=(): None)
+    ctx = SimpleNamespace(params=SamplingParams(), rng=np.random.default_rng(0), mask=lambda path=(): None,
+                          stop=None, wants_confidence=False)
     root = np.asarray([3.0, 2.0, 0, 0, 0, 0])
     calls = []
 
