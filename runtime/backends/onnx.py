@@ -13,7 +13,8 @@ smaller P; after a tree verify `keep` moves only the accepted rows.
 A graph exported with `--attention gqa` (ONNX Runtime's GroupQueryAttention, export/onnx/gqa.py) has outputs
 present_key_{i} instead of new_key_{i}: the op takes one shared past/present buffer per layer in BNSH form, so
 this backend then reads its arena HEAD-major, (L, nkv, max_pos, d), binds layer i's whole block
-(1, nkv, max_pos, d) as both past_key_i and present_key_i, and the op writes rows [P, P+T) in place.
+(1, nkv, max_pos, d) as both past_key_i and present_key_i, and the op writes rows [P, P+T) in place. The fused
+graph (`--attention fused`, the default for float targets: export/onnx/fused.py) has the same contract.
 
 Logits and taps are written into preallocated host arrays the same way. With the CUDA or TensorRT provider
 first in the list, the K/V live in device memory instead (runtime/backends/onnx_arena.py: an OrtValue arena,
@@ -104,6 +105,10 @@ class OnnxTarget(CacheRows):
         outputs = {o.name for o in self.session.get_outputs()}
         # GroupQueryAttention graphs: one shared past/present buffer per layer, head-major (module docstring)
         self.shared_kv = "present_key_0" in outputs
+        rope = self.session.get_modelmeta().custom_metadata_map.get("rope_positions")
+        if rope is not None and cache.max_positions > int(rope):  # a fused graph's rope table (export/onnx/fused.py)
+            raise BackendError(f"{model_path}: the graph's rope table holds {rope} positions, the KV cache "
+                               f"{cache.max_positions}; lower memory.max_context to {rope} or less")
         self.tap_names = tuple(tap_names)
         for t in self.tap_names:
             parse_tap(t, spec.num_layers)
