@@ -138,6 +138,7 @@ class OnnxTarget(CacheRows):
             self.v = cache.v.reshape(view)
             self._bind_kv_in, self._bind_kv_out = self._bind_input, self._bind_output
             self._ptrs = [(f"_{i}", self.k[i].ctypes.data, self.v[i].ctypes.data) for i in range(n)]
+        self._kv_bound: Optional[tuple] = None  # the taps bound with the shared K/V blocks (_bind_shared_kv)
         self.last_run_s = 0.0  # time inside ORT during the last forward (the rest is Python overhead)
 
     @functools.cached_property  # read once, at load: a re-export next to a running node must not fail requests
@@ -171,27 +172,23 @@ class OnnxTarget(CacheRows):
         logits = np.empty((t, self.spec.vocab_size), np.float32)
         got: Dict[str, np.ndarray] = {name: np.empty((t, self.spec.hidden_size), np.float32) for name in taps}
         b = self.binding
-        b.clear_binding_inputs()
-        b.clear_binding_outputs()
-        self._bind_in("input_ids", tokens)
-        self._bind_in("position_ids", positions)
-        self._bind_in("attention_mask", add_mask)
-        past, new, dt = (p, *self._row), (t, *self._row), self.kv_dtype
-        skip = p * self._row_bytes
-        if self.shared_kv:  # the op reads rows [0, P) and writes [P, P+T) of the one buffer bound twice
-            block = (1, self._row[0], self.cache.max_positions, self._row[1])
-            for i, kp, vp in self._ptrs:
-                self._bind_kv_in("past_key" + i, dt, block, kp)
-                self._bind_kv_in("past_value" + i, dt, block, vp)
-                self._bind_kv_out("present_key" + i, dt, block, kp)
-                self._bind_kv_out("present_value" + i, dt, block, vp)
+        if self.shared_kv:
+            self._bind_shared_kv(tuple(taps))
         else:
+            b.clear_binding_inputs()
+            b.clear_binding_outputs()
+            past, new, dt = (p, *self._row), (t, *self._row), self.kv_dtype
+            skip = p * self._row_bytes
             for i, kp, vp in self._ptrs:
                 # Layer i's past is rows [0, P) of its block and the new rows land at [P, P+T): by pointer, no copy.
                 self._bind_kv_in("past_key" + i, dt, past, kp)
                 self._bind_kv_in("past_value" + i, dt, past, vp)
                 self._bind_kv_out("new_key" + i, dt, new, kp + skip)
                 self._bind_kv_out("new_value" + i, dt, new, vp + skip)
+        # binding a name again replaces its earlier binding
+        self._bind_in("input_ids", tokens)
+        self._bind_in("position_ids", positions)
+        self._bind_in("attention_mask", add_mask)
         self._bind_out("logits", logits)
         for name, arr in got.items():
             self._bind_out(tap_output_name(name), arr)
@@ -200,6 +197,23 @@ class OnnxTarget(CacheRows):
         self.last_run_s = time.perf_counter() - start
         self.cache.length = p + t
         return ForwardResult(logits=logits, taps=got)
+
+    def _bind_shared_kv(self, taps: tuple) -> None:
+        """GroupQueryAttention graphs: the op reads rows [0, P) and writes [P, P+T) of each layer's whole block,
+        bound as both past and present, so the 4 bindings per layer are the same every step: made once, and again
+        only when the set of bound outputs changes (a tap bound earlier with another T would not match)."""
+        if self._kv_bound == taps:
+            return
+        b, dt = self.binding, self.kv_dtype
+        b.clear_binding_inputs()
+        b.clear_binding_outputs()
+        block = (1, self._row[0], self.cache.max_positions, self._row[1])
+        for i, kp, vp in self._ptrs:
+            self._bind_kv_in("past_key" + i, dt, block, kp)
+            self._bind_kv_in("past_value" + i, dt, block, vp)
+            self._bind_kv_out("present_key" + i, dt, block, kp)
+            self._bind_kv_out("present_value" + i, dt, block, vp)
+        self._kv_bound = taps
 
     def keep(self, start: int, rows: Sequence[int]) -> None:
         """KVCache.keep's contract, on the layer-major view: only the accepted rows move, once."""

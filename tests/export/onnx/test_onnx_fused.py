@@ -137,3 +137,25 @@ def test_bundle_export_fuses_float_targets_only_and_records_it(tiny_bundle, tmp_
     with pytest.raises(ExportError, match="--attention fused with --precision int8"):
         add_onnx_to_bundle(root, "int8", attention="fused")
     assert (sorted(os.listdir(os.path.join(root, "onnx"))), open(os.path.join(root, "bundle.yaml")).read()) == before
+
+
+def test_the_kv_blocks_are_bound_once_and_again_only_when_the_bound_taps_change(fused):
+    """The shared past/present blocks never move, so a decode step binds only ids, positions, mask and outputs;
+    the results through the tap changes are the numpy reference's (test above)."""
+    spec, weights, path = fused
+    ort_t, ref = pair(spec, weights, path, taps=TAPS)
+    calls = []
+    bind = ort_t._bind_kv_in
+    ort_t._bind_kv_in = lambda *a: (calls.append(a[0]), bind(*a))
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, spec.vocab_size, 8)
+    for t in (ort_t, ref):
+        t.forward(prompt, np.arange(8))
+    for pos in range(8, 13):
+        tok = rng.integers(0, spec.vocab_size, 1)
+        assert_same(ort_t.forward(tok, np.array([pos])), ref.forward(tok, np.array([pos])))
+    assert len(calls) == 2 * spec.num_layers  # past_key_i, past_value_i: once for the 6 forwards
+    tok = rng.integers(0, spec.vocab_size, 1)
+    assert_same(ort_t.forward(tok, np.array([13]), taps=TAPS[:1]), ref.forward(tok, np.array([13]), taps=TAPS[:1]),
+                TAPS[:1])
+    assert len(calls) == 4 * spec.num_layers  # the outputs changed: bound again
