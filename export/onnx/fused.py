@@ -14,6 +14,7 @@ Reciprocal/Mul, rope as Slice/Neg/Concat/Mul/Add, attention as MatMul/Softmax/Co
 Inputs and outputs are the "gqa" graph's (export/onnx/graph.py's docstring), so runtime/backends/onnx.py runs it
 unchanged: input_ids / position_ids (T,), attention_mask float32 (T, P+T) additive, past_key_i / past_value_i
 (1, nkv, M, d) bound to the same memory as present_key_i / present_value_i, logits and tap_<name> float32 (T, .).
+One more input, logits_from int64 (1,), makes logits the rows [logits_from, T) only: (T - logits_from, V).
 
 The rope table holds ROPE_POSITIONS(spec) positions (recorded as the graph's metadata "rope_positions", which
 the backend checks each step: the op does not). qk-norm models (Qwen3) split the packed projection and normalise
@@ -39,6 +40,7 @@ from runtime.model.spec import ModelSpec
 OPSET = 18
 MSFT = "com.microsoft"
 ROPE_METADATA = "rope_positions"
+LOGITS_FROM = "logits_from"  # int64 (1,): logits leave the graph for rows [logits_from, T) only
 _NP = {"fp32": np.float32, "fp16": np.float16}
 _ONNX = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}
 
@@ -173,22 +175,27 @@ def build_fused_model(spec: ModelSpec, weights: Mapping[str, np.ndarray], taps: 
     head = (g.node("Transpose", [embed], "head_t", perm=[1, 0]) if s.tie_word_embeddings
             else g.const("lm_head", w["lm_head.weight"].T))
     outs = output_names(taps, n, "gqa")
-    # 2-D before the head: the (T, V) product is the bound logits buffer itself
-    g.out(g.node("MatMul", [g.node("Squeeze", [final, "axis0"], "final_2d"), head], "lm_head"), "logits")
+    # 2-D before the head: the (T, V) product is the bound logits buffer itself. Only rows [logits_from, T) reach
+    # the head (0 for a verify; a prefill asks for its last row alone, not T x V rows it would drop).
+    g.const("rows_end", np.array([np.iinfo(np.int64).max], np.int64), cast=False)
+    rows = g.node("Slice", [g.node("Squeeze", [final, "axis0"], "final_2d"), LOGITS_FROM, "rows_end", "axis0"],
+                  "logit_rows")  # (R, H)
+    g.out(g.node("MatMul", [rows, head], "lm_head"), "logits")
     for t in taps:
         g.out(g.node("Squeeze", [tap_src[t], "axis0"], f"{tap_output_name(t)}_2d"), tap_output_name(t))
     kv_shape = [1, nkv, "M", d]
     inputs = ([helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["T"]),
                helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["T"]),
                helper.make_tensor_value_info("attention_mask", TensorProto.FLOAT, ["T", "S"])]
-              + [helper.make_tensor_value_info(nm, dt, kv_shape) for nm in input_names(n)[3:]])
+              + [helper.make_tensor_value_info(nm, dt, kv_shape) for nm in input_names(n)[3:]]
+              + [helper.make_tensor_value_info(LOGITS_FROM, TensorProto.INT64, [1])])
     out_info = []
     for nm in outs:
         if nm.startswith("present_"):
             out_info.append(helper.make_tensor_value_info(nm, dt, kv_shape))
         else:
-            width = s.vocab_size if nm == "logits" else s.hidden_size
-            out_info.append(helper.make_tensor_value_info(nm, TensorProto.FLOAT, ["T", width]))
+            rows, width = ("R", s.vocab_size) if nm == "logits" else ("T", s.hidden_size)
+            out_info.append(helper.make_tensor_value_info(nm, TensorProto.FLOAT, [rows, width]))
     graph = helper.make_graph(g.nodes, "edgespec_fused_decoder", inputs, out_info, g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MSFT, 1)],
                               producer_name="edgespec")

@@ -105,6 +105,8 @@ class OnnxTarget(CacheRows):
         outputs = {o.name for o in self.session.get_outputs()}
         # GroupQueryAttention graphs: one shared past/present buffer per layer, head-major (module docstring)
         self.shared_kv = "present_key_0" in outputs
+        # fused graphs: logits for rows [logits_from, T) only (export/onnx/fused.py); 0 = all, T-1 = a prefill's last
+        self._logits_from = np.zeros(1, np.int64) if "logits_from" in inputs else None
         rope = self.session.get_modelmeta().custom_metadata_map.get("rope_positions")
         if rope is not None and cache.max_positions > int(rope):  # a fused graph's rope table (export/onnx/fused.py)
             raise BackendError(f"{model_path}: the graph's rope table holds {rope} positions, the KV cache "
@@ -153,7 +155,8 @@ class OnnxTarget(CacheRows):
     def _bind_out(self, name: str, arr: np.ndarray) -> None:
         self._bind_output(name, arr.dtype, arr.shape, arr.ctypes.data)
 
-    def forward(self, tokens, positions, mask: Optional[np.ndarray] = None, taps: Sequence[str] = ()) -> ForwardResult:
+    def forward(self, tokens, positions, mask: Optional[np.ndarray] = None, taps: Sequence[str] = (),
+                all_logits: bool = True) -> ForwardResult:
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         positions = np.ascontiguousarray(positions, dtype=np.int64)
         t, p = tokens.shape[0], self.cache.length
@@ -169,7 +172,8 @@ class OnnxTarget(CacheRows):
             if mask.shape != (t, p + t):
                 raise ValueError(f"mask shape {mask.shape}, expected {(t, p + t)} (new tokens x cache+new)")
             add_mask = additive_mask(mask)
-        logits = np.empty((t, self.spec.vocab_size), np.float32)
+        rows = t if all_logits or self._logits_from is None else 1
+        logits = np.empty((rows, self.spec.vocab_size), np.float32)
         got: Dict[str, np.ndarray] = {name: np.empty((t, self.spec.hidden_size), np.float32) for name in taps}
         b = self.binding
         if self.shared_kv:
@@ -189,6 +193,9 @@ class OnnxTarget(CacheRows):
         self._bind_in("input_ids", tokens)
         self._bind_in("position_ids", positions)
         self._bind_in("attention_mask", add_mask)
+        if self._logits_from is not None:
+            self._logits_from[0] = t - rows  # bound by pointer: read when the graph runs
+            self._bind_in("logits_from", self._logits_from)
         self._bind_out("logits", logits)
         for name, arr in got.items():
             self._bind_out(tap_output_name(name), arr)
@@ -196,7 +203,7 @@ class OnnxTarget(CacheRows):
         self.session.run_with_iobinding(b)
         self.last_run_s = time.perf_counter() - start
         self.cache.length = p + t
-        return ForwardResult(logits=logits, taps=got)
+        return ForwardResult(logits=logits if all_logits or rows == 1 else logits[-1:].copy(), taps=got)
 
     def _bind_shared_kv(self, taps: tuple) -> None:
         """GroupQueryAttention graphs: the op reads rows [0, P) and writes [P, P+T) of each layer's whole block,

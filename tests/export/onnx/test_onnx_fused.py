@@ -159,3 +159,40 @@ def test_the_kv_blocks_are_bound_once_and_again_only_when_the_bound_taps_change(
     assert_same(ort_t.forward(tok, np.array([13]), taps=TAPS[:1]), ref.forward(tok, np.array([13]), taps=TAPS[:1]),
                 TAPS[:1])
     assert len(calls) == 4 * spec.num_layers  # the outputs changed: bound again
+
+
+def test_a_prefill_fetches_only_its_last_logits_row_from_the_fused_graph(fused):
+    """The engine's prefill samples from the last row only: the graph's head runs on that row and the backend
+    binds a (1, V) logits buffer, not (T, V); its values are the full forward's last row."""
+    from runtime.backends.base import forward_in_chunks
+
+    spec, weights, path = fused
+    ort_t, ref = pair(spec, weights, path, taps=TAPS)
+    shapes = []
+    bind = ort_t._bind_output
+    ort_t._bind_output = lambda n, dt, shape, ptr: (shapes.append((n, tuple(shape))), bind(n, dt, shape, ptr))
+    prompt = np.random.default_rng(6).integers(0, spec.vocab_size, 30)
+    got = forward_in_chunks(ort_t, prompt, np.arange(30), TAPS[:1], chunk=12, all_logits=False)
+    want = ref.forward(prompt, np.arange(30), taps=TAPS[:1])
+    assert [s for n, s in shapes if n == "logits"] == [(1, spec.vocab_size)] * 3  # chunks of 12, 12 and 6 tokens
+    assert got.logits.shape == (1, spec.vocab_size) and got.taps["final_norm"].shape == (30, spec.hidden_size)
+    assert_same(got, type(want)(want.logits[-1:], want.taps), TAPS[:1])
+    tok = prompt[:2]  # and the next forward's logits are every row again
+    assert ort_t.forward(tok, np.array([30, 31])).logits.shape == (2, spec.vocab_size)
+
+
+def test_the_engine_prefill_asks_every_backend_for_its_last_logits_row_only():
+    """numpy_ref honours it too (its head runs on the last row); the engine's first token is unchanged."""
+    from runtime.backends.numpy_ref import NumpyTarget
+    from runtime.decode.engine import Engine
+    from runtime.sampling import SamplingParams
+
+    _, spec, weights = tiny_hf_model("llama", seed=2)
+    target = NumpyTarget(spec, weights, arena_cache(spec))
+    rows = []
+    forward = target.forward
+    target.forward = lambda *a, **k: (lambda r: (rows.append(r.logits.shape[0]), r)[1])(forward(*a, **k))
+    prompt = list(np.random.default_rng(7).integers(0, spec.vocab_size, 20))
+    out = Engine(target, None, prefix_cache=False).generate(prompt, SamplingParams(), 4)
+    assert rows == [1, 1, 1, 1]  # the prefill's last row, then one row per plain step
+    assert out.tokens == greedy_decode(NumpyTarget(spec, weights, arena_cache(spec)), np.array(prompt), 4)
