@@ -40,6 +40,7 @@ from runtime.model.spec import ModelSpec
 OPSET = 18
 MSFT = "com.microsoft"
 ROPE_METADATA = "rope_positions"
+CAUSAL_METADATA = "attention_is_causal"  # "1": the op applies the causal mask, the bias only narrows it (trees)
 LOGITS_FROM = "logits_from"  # int64 (1,): logits leave the graph for rows [logits_from, T) only
 _NP = {"fp32": np.float32, "fp16": np.float16}
 _ONNX = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}
@@ -200,7 +201,8 @@ def build_fused_model(spec: ModelSpec, weights: Mapping[str, np.ndarray], taps: 
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MSFT, 1)],
                               producer_name="edgespec")
     model.ir_version = 8
-    helper.set_model_props(model, {ROPE_METADATA: str(rope_positions(spec))})
+    # GroupQueryAttention's causal=1 (its default) masks the future rows itself: a causal forward's bias is all 0
+    helper.set_model_props(model, {ROPE_METADATA: str(rope_positions(spec)), CAUSAL_METADATA: "1"})
     return model
 
 

@@ -107,7 +107,11 @@ class OnnxTarget(CacheRows):
         self.shared_kv = "present_key_0" in outputs
         # fused graphs: logits for rows [logits_from, T) only (export/onnx/fused.py); 0 = all, T-1 = a prefill's last
         self._logits_from = np.zeros(1, np.int64) if "logits_from" in inputs else None
-        rope = self.session.get_modelmeta().custom_metadata_map.get("rope_positions")
+        meta = self.session.get_modelmeta().custom_metadata_map
+        # fused graphs: the attention op is causal itself, so a causal forward binds an all-zero bias (_zero_bias)
+        self._causal_op = meta.get("attention_is_causal") == "1"
+        self._zeros = np.zeros(0, np.float32)
+        rope = meta.get("rope_positions")
         if rope is not None and cache.max_positions > int(rope):  # a fused graph's rope table (export/onnx/fused.py)
             raise BackendError(f"{model_path}: the graph's rope table holds {rope} positions, the KV cache "
                                f"{cache.max_positions}; lower memory.max_context to {rope} or less")
@@ -167,7 +171,7 @@ class OnnxTarget(CacheRows):
                                    f"re-export with `edgespec export --to onnx --bundle {bundle_of(self.model_path)} "
                                    f"--taps {' '.join(sorted(set(self.tap_names) | {name}))}`")
         if mask is None:
-            add_mask = causal_additive_mask(p, t)
+            add_mask = self._zero_bias(t, p) if self._causal_op else causal_additive_mask(p, t)
         else:
             if mask.shape != (t, p + t):
                 raise ValueError(f"mask shape {mask.shape}, expected {(t, p + t)} (new tokens x cache+new)")
@@ -204,6 +208,13 @@ class OnnxTarget(CacheRows):
         self.last_run_s = time.perf_counter() - start
         self.cache.length = p + t
         return ForwardResult(logits=logits if all_logits or rows == 1 else logits[-1:].copy(), taps=got)
+
+    def _zero_bias(self, t: int, p: int) -> np.ndarray:
+        """(T, P+T) zeros, a view of one buffer kept across steps (grown, never refilled: nothing writes it)."""
+        n = t * (p + t)
+        if self._zeros.size < n:
+            self._zeros = np.zeros(max(n, 2 * self._zeros.size), np.float32)
+        return self._zeros[:n].reshape(t, p + t)
 
     def _bind_shared_kv(self, taps: tuple) -> None:
         """GroupQueryAttention graphs: the op reads rows [0, P) and writes [P, P+T) of each layer's whole block,

@@ -196,3 +196,21 @@ def test_the_engine_prefill_asks_every_backend_for_its_last_logits_row_only():
     out = Engine(target, None, prefix_cache=False).generate(prompt, SamplingParams(), 4)
     assert rows == [1, 1, 1, 1]  # the prefill's last row, then one row per plain step
     assert out.tokens == greedy_decode(NumpyTarget(spec, weights, arena_cache(spec)), np.array(prompt), 4)
+
+
+def test_causal_steps_on_the_fused_graph_bind_one_kept_zero_bias(fused):
+    """The op masks the future itself (causal=1), so a causal forward (mask None: a prefill, a plain step, a
+    chain) binds a view of one zero buffer instead of building a (T, P+T) mask; the logits stay the reference's."""
+    spec, weights, path = fused
+    ort_t, ref = pair(spec, weights, path, taps=())
+    bound = []
+    bind = ort_t._bind_input
+    ort_t._bind_input = lambda n, dt, shape, ptr: (n == "attention_mask" and bound.append(ptr), bind(n, dt, shape, ptr))
+    rng = np.random.default_rng(8)
+    prompt = rng.integers(0, spec.vocab_size, 24)
+    assert_same(ort_t.forward(prompt, np.arange(24)), ref.forward(prompt, np.arange(24)))
+    for pos in range(24, 28):
+        toks = rng.integers(0, spec.vocab_size, 2)
+        pos_pair = np.array([2 * pos - 24, 2 * pos - 23])
+        assert_same(ort_t.forward(toks, pos_pair), ref.forward(toks, pos_pair))  # a 1-node chain with its root
+    assert len(set(bound)) == 1
