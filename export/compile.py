@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="onnx: auto (default: fused for an fp32/fp16 target, matmul for int8/int4 and for draft "
                         "models), fused (the graph written with ONNX Runtime's fused contrib ops: "
                         "SkipSimplifiedLayerNormalization, packed QKV, GroupQueryAttention with rope and the tree mask "
-                        "as attention_bias; ~2x faster a step on CPU), matmul (grouped-query attention from MatMuls, "
+                        "as attention_bias; 1.4-2.2x faster a step on CPU), matmul (grouped-query attention from MatMuls, "
                         "runs on every provider, the graph TensorRT engines are built from) or gqa (the traced graph "
                         "with GroupQueryAttention only; checked with onnxruntime 1.32)")
     p.add_argument("--taps", nargs="+", metavar="TAP", default=None,

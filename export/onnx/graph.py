@@ -20,7 +20,7 @@ Attention is grouped per KV head (see `_attention`): no K/V head is repeated.
 T and P are dynamic. `kv` is float32 (precision fp32) or float16 (precision fp16).
 
 attention "fused" (the default for float targets): the same contract as "gqa", the graph written node by node
-with ONNX Runtime's fused ops (export/onnx/fused.py): ~2x faster a decode step on the CPU than this traced graph.
+with ONNX Runtime's fused ops (export/onnx/fused.py): a decode step 1.4-2.2x faster on the CPU than this traced graph.
 
 attention "gqa" (`--attention gqa`, params {"attention": "gqa", "kv_layout": "layer_head_major"}): attention is
 ONNX Runtime's contrib op GroupQueryAttention (export/onnx/gqa.py) and the K/V are one shared past/present buffer:
