@@ -34,8 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="onnx int8/int4: MatMulNBits' accuracy_level, 0 = float32 compute, 4 = int8 activations and "
                         "integer dot products (default: the faster one measured on CPU, see export/onnx/quantize.py)")
     p.add_argument("--attention", choices=("auto", "fused", "matmul", "gqa"), default="auto",
-                   help="onnx: auto (default: fused for an fp32/fp16 target, matmul for int8/int4 and for draft "
-                        "models), fused (the graph written with ONNX Runtime's fused contrib ops: "
+                   help="onnx: auto (default: fused for an fp32 target, matmul for fp16 (the GPU graph), int8/int4 "
+                        "and draft models), fused (the graph written with ONNX Runtime's fused contrib ops: "
                         "SkipSimplifiedLayerNormalization, packed QKV, GroupQueryAttention with rope and the tree mask "
                         "as attention_bias; 1.4-2.2x faster a step on CPU), matmul (grouped-query attention from MatMuls, "
                         "runs on every provider, the graph TensorRT engines are built from) or gqa (the traced graph "

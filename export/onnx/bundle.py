@@ -164,16 +164,18 @@ def export_graph(spec, weights, out_path: str, taps, precision: str, attention: 
 
 
 def graph_attention(attention: str, precision: str, target: bool) -> str:
-    """The attention a decoder graph is exported with: `attention` as asked, or for "auto" the fused graph for a
-    float target (a decode step measured 1.4-2.2x faster than the traced matmul graph's on the zoo, CPU) and the matmul
-    graph for int8 / int4 targets (weight-only quantisation of the fused graph is not checked for greedy identity)
-    and for draft models (their step-wise and K-step graphs keep the layer-major arena layout).
+    """The attention a decoder graph is exported with: `attention` as asked, or for "auto" the fused graph for an
+    fp32 target (a decode step measured 1.4-2.2x faster than the traced matmul graph's on the zoo, CPU) and the
+    matmul graph for the rest: fp16 (the GPU precision: ONNX Runtime's CUDA GroupQueryAttention refuses an
+    attention_bias, i.e. tree masks, and TensorRT parses no contrib op), int8 / int4 (weight-only quantisation of the
+    fused graph is not checked for greedy identity) and draft models (their step-wise and K-step graphs keep the
+    layer-major arena layout).
 
-    >>> graph_attention("auto", "fp32", True), graph_attention("auto", "int8", True), graph_attention("auto", "fp32", False)
-    ('fused', 'matmul', 'matmul')"""
+    >>> [graph_attention("auto", p, True) for p in ("fp32", "fp16", "int8")], graph_attention("auto", "fp32", False)
+    (['fused', 'matmul', 'matmul'], 'matmul')"""
     if attention != "auto":
         return attention
-    return "fused" if target and precision not in BITS else "matmul"
+    return "fused" if target and precision == "fp32" else "matmul"
 
 
 def _kept_target_graph(b, precision: str, only: Collection[str]) -> str:

@@ -105,6 +105,10 @@ class OnnxTarget(CacheRows):
         outputs = {o.name for o in self.session.get_outputs()}
         # GroupQueryAttention graphs: one shared past/present buffer per layer, head-major (module docstring)
         self.shared_kv = "present_key_0" in outputs
+        if self.shared_kv and device_for(providers) == "cuda":  # ONNX Runtime 1.32's CUDA kernel, per its source
+            raise BackendError(f"{model_path}: this graph's GroupQueryAttention takes the tree mask as attention_bias, "
+                               f"which ONNX Runtime's CUDA kernel refuses; re-export it for the GPU with `edgespec "
+                               f"export --to onnx --bundle {bundle_of(model_path)} --attention matmul`")
         # fused graphs: logits for rows [logits_from, T) only (export/onnx/fused.py); 0 = all, T-1 = a prefill's last
         self._logits_from = np.zeros(1, np.int64) if "logits_from" in inputs else None
         meta = self.session.get_modelmeta().custom_metadata_map

@@ -118,8 +118,8 @@ def test_a_kv_cache_longer_than_the_fused_graphs_rope_table_is_refused_at_load(t
 
 
 def test_bundle_export_fuses_float_targets_only_and_records_it(tiny_bundle, tmp_path):
-    """auto: the fp32 target graph is fused (head-major arena layout); the draft model's and an int8 target's stay
-    the matmul graphs; asking for a fused int8 graph is refused before anything is written."""
+    """auto: the fp32 target graph is fused (head-major arena layout); the draft model's, an int8 target's and an fp16
+    one's (the GPU graph) stay matmul graphs; asking for a fused int8 graph is refused before anything is written."""
     from export.onnx.bundle import add_onnx_to_bundle
     from runtime.model import bundle as bundle_mod
 
@@ -137,6 +137,8 @@ def test_bundle_export_fuses_float_targets_only_and_records_it(tiny_bundle, tmp_
     with pytest.raises(ExportError, match="--attention fused with --precision int8"):
         add_onnx_to_bundle(root, "int8", attention="fused")
     assert (sorted(os.listdir(os.path.join(root, "onnx"))), open(os.path.join(root, "bundle.yaml")).read()) == before
+    add_onnx_to_bundle(root, "fp16", validate=False)
+    assert "attention" not in bundle_mod.load(root).target.backends["onnx"].params
 
 
 def test_the_kv_blocks_are_bound_once_and_again_only_when_the_bound_taps_change(fused):
@@ -214,3 +216,15 @@ def test_causal_steps_on_the_fused_graph_bind_one_kept_zero_bias(fused):
         pos_pair = np.array([2 * pos - 24, 2 * pos - 23])
         assert_same(ort_t.forward(toks, pos_pair), ref.forward(toks, pos_pair))  # a 1-node chain with its root
     assert len(set(bound)) == 1
+
+
+def test_a_fused_graph_on_a_cuda_provider_is_refused_at_load_with_the_export_that_fits(fused, monkeypatch):
+    """ONNX Runtime's CUDA GroupQueryAttention refuses an attention_bias (the tree mask), so a fused (or gqa) graph
+    would fail on its first forward there: the backend says so at load (the session is a CPU one here)."""
+    import runtime.backends.onnx as onnx_backend
+
+    spec, _, path = fused
+    real = onnx_backend.open_session
+    monkeypatch.setattr(onnx_backend, "open_session", lambda p, providers, *a: real(p, ("CPUExecutionProvider",), *a))
+    with pytest.raises(BackendError, match="CUDA kernel refuses.*--attention matmul`"):
+        OnnxTarget(spec, path, arena_cache(spec), providers=("CUDAExecutionProvider",))
