@@ -1,4 +1,4 @@
-"""The lean target graph (`edgespec export --to onnx --attention fused`): a decoder written node by node with
+"""The lean target graph (`edgespec export --to onnx`, attention "fused": the default for an fp32 target): a decoder written node by node with
 ONNX Runtime's fused contrib ops, as onnxruntime-genai's model builder writes its graphs, on edgespec's contract.
 
 Per layer, where the traced graph (export/onnx/graph.py) has ~70 nodes (RMSNorm as Pow/ReduceMean/Sqrt/

@@ -19,7 +19,7 @@ each layer's past is one contiguous block bound by pointer: the graph never slic
 Attention is grouped per KV head (see `_attention`): no K/V head is repeated.
 T and P are dynamic. `kv` is float32 (precision fp32) or float16 (precision fp16).
 
-attention "fused" (the default for float targets): the same contract as "gqa", the graph written node by node
+attention "fused" (the default for fp32 targets): the same contract as "gqa", the graph written node by node
 with ONNX Runtime's fused ops (export/onnx/fused.py): a decode step 1.4-2.2x faster on the CPU than this traced graph.
 
 attention "gqa" (`--attention gqa`, params {"attention": "gqa", "kv_layout": "layer_head_major"}): attention is

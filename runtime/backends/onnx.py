@@ -14,7 +14,7 @@ A graph exported with `--attention gqa` (ONNX Runtime's GroupQueryAttention, exp
 present_key_{i} instead of new_key_{i}: the op takes one shared past/present buffer per layer in BNSH form, so
 this backend then reads its arena HEAD-major, (L, nkv, max_pos, d), binds layer i's whole block
 (1, nkv, max_pos, d) as both past_key_i and present_key_i, and the op writes rows [P, P+T) in place. The fused
-graph (`--attention fused`, the default for float targets: export/onnx/fused.py) has the same contract.
+graph (`--attention fused`, the default for fp32 targets: export/onnx/fused.py) has the same contract.
 
 Logits and taps are written into preallocated host arrays the same way. With the CUDA or TensorRT provider
 first in the list, the K/V live in device memory instead (runtime/backends/onnx_arena.py: an OrtValue arena,
