@@ -1,5 +1,6 @@
-"""The lean target graph (`edgespec export --to onnx`, attention "fused": the default for an fp32 target): a decoder written node by node with
-ONNX Runtime's fused contrib ops, as onnxruntime-genai's model builder writes its graphs, on edgespec's contract.
+"""The lean target graph (`edgespec export --to onnx`, attention "fused": the default for an fp32 target): a decoder
+written node by node with ONNX Runtime's fused contrib ops, as onnxruntime-genai's model builder writes its graphs,
+on edgespec's contract.
 
 Per layer, where the traced graph (export/onnx/graph.py) has ~70 nodes (RMSNorm as Pow/ReduceMean/Sqrt/
 Reciprocal/Mul, rope as Slice/Neg/Concat/Mul/Add, attention as MatMul/Softmax/Concat/Transpose), this one has 8:
