@@ -129,8 +129,9 @@ def build_fused_model(spec: ModelSpec, weights: Mapping[str, np.ndarray], taps: 
     for i in range(n):
         p = f"model.layers.{i}."
         if delta is None:
-            h = g.node("SimplifiedLayerNormalization", [residual, g.const(f"l{i}.in_norm", w[p + "input_layernorm.weight"])],
-                       f"l{i}/in_norm", axis=-1, epsilon=eps, stash_type=1)
+            norm = g.const(f"l{i}.in_norm", w[p + "input_layernorm.weight"])
+            h = g.node("SimplifiedLayerNormalization", [residual, norm], f"l{i}/in_norm", axis=-1, epsilon=eps,
+                       stash_type=1)
         else:
             h, _, _, residual = g.node("SkipSimplifiedLayerNormalization",
                                        [residual, delta, g.const(f"l{i}.in_norm", w[p + "input_layernorm.weight"])],
@@ -166,7 +167,8 @@ def build_fused_model(spec: ModelSpec, weights: Mapping[str, np.ndarray], taps: 
         # gate and up stay two MatMuls: packed, the Split after them copied more than the one GEMV saved
         gate = g.node("MatMul", [h, g.const(f"l{i}.gate", _weights_t(w, m + "gate_proj.weight"))], f"l{i}/gate")
         up = g.node("MatMul", [h, g.const(f"l{i}.up", _weights_t(w, m + "up_proj.weight"))], f"l{i}/up")
-        act = g.node("Mul", [g.node("Mul", [gate, g.node("Sigmoid", [gate], f"l{i}/sigmoid")], f"l{i}/silu"), up], f"l{i}/act")
+        silu = g.node("Mul", [gate, g.node("Sigmoid", [gate], f"l{i}/sigmoid")], f"l{i}/silu")
+        act = g.node("Mul", [silu, up], f"l{i}/act")
         delta = g.node("MatMul", [act, g.const(f"l{i}.down", _weights_t(w, m + "down_proj.weight"))], f"l{i}/down")
     final, _, _, residual = g.node("SkipSimplifiedLayerNormalization",
                                    [residual, delta, g.const("final_norm", w["model.norm.weight"])], "final_norm",

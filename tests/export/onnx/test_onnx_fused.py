@@ -35,7 +35,8 @@ def _through_prefill_decode_tree_keep_rollback(ort_t, ref, spec, tol):
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, spec.vocab_size, 40)
     taps = ort_t.tap_names
-    assert_same(ort_t.forward(prompt, np.arange(40), taps=taps), ref.forward(prompt, np.arange(40), taps=taps), taps, tol)
+    assert_same(ort_t.forward(prompt, np.arange(40), taps=taps), ref.forward(prompt, np.arange(40), taps=taps), taps,
+                tol)
     tok = rng.integers(0, spec.vocab_size, 1)
     assert_same(ort_t.forward(tok, np.array([40])), ref.forward(tok, np.array([40])), (), tol)
     p = ort_t.cache_len
