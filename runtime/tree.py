@@ -161,6 +161,20 @@ def from_choices(choices: Sequence[Sequence[int]], candidates: Sequence[np.ndarr
     return DraftTree(tokens=np.asarray(tokens, dtype=np.int64), parents=np.asarray(parents, dtype=np.int64))
 
 
+def verify_inputs(tree: DraftTree, root_token: int, cache_len: int, root_position: int
+                  ) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    """`flatten`'s tokens and positions, and its mask, or None when the tree is a chain (plain decoding's empty
+    tree included): a chain's mask IS the causal one (row i sees the cache and rows 0..i), which a backend builds
+    or keeps without a (T, cache_len + T) array per cycle.
+
+    Example: root r, chain (a, b), cache_len 2, root_position 2 -> tokens (r, a, b), positions (2, 3, 4), None."""
+    n = len(tree)
+    if np.array_equal(tree.parents, np.arange(-1, n - 1)):
+        tokens = np.concatenate([np.asarray([root_token], dtype=np.int64), tree.tokens])  # (n+1,)
+        return tokens, np.arange(root_position, root_position + n + 1, dtype=np.int64), None
+    return flatten(tree, root_token, cache_len, root_position)
+
+
 def flatten(
     tree: DraftTree, root_token: int, cache_len: int, root_position: int
 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:

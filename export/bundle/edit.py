@@ -125,7 +125,8 @@ def _export_new_drafters(root: str, before, after, new: List[str], validate: boo
         from export.onnx.bundle import add_onnx_to_bundle
 
         precision = onnx.params.get("precision", "fp32")
-        attention = onnx.params.get("attention", "matmul")
+        # a fused target came from "auto" (draft models beside it are matmul graphs): export the same way again
+        attention = {"fused": "auto"}.get(onnx.params.get("attention", "matmul"), onnx.params.get("attention", "matmul"))
         have = set(onnx.params.get("taps") or ())
         missing = sorted({t for n in new for t in after.drafters[n].target_taps} - have)
         if not missing:

@@ -19,6 +19,9 @@ each layer's past is one contiguous block bound by pointer: the graph never slic
 Attention is grouped per KV head (see `_attention`): no K/V head is repeated.
 T and P are dynamic. `kv` is float32 (precision fp32) or float16 (precision fp16).
 
+attention "fused" (the default for fp32 targets): the same contract as "gqa", the graph written node by node
+with ONNX Runtime's fused ops (export/onnx/fused.py): a decode step 1.4-2.2x faster on the CPU than this traced graph.
+
 attention "gqa" (`--attention gqa`, params {"attention": "gqa", "kv_layout": "layer_head_major"}): attention is
 ONNX Runtime's contrib op GroupQueryAttention (export/onnx/gqa.py) and the K/V are one shared past/present buffer:
   inputs   past_key_{i}    kv      (1, nkv, M, d)    layer i's whole block of the arena, head-major, M = its rows
@@ -63,7 +66,8 @@ PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16}
 OPSET = 18
 KV_LAYOUT = "layer_major"  # the runtime's view of its arena rows: (L, max_pos, nkv, d)
 ATTENTION = ("matmul", "gqa")  # grouped attention from MatMuls / ONNX Runtime's GroupQueryAttention
-KV_LAYOUTS = {"matmul": KV_LAYOUT, "gqa": "layer_head_major"}  # gqa: (L, nkv, max_pos, d), the op's BNSH per layer
+# gqa and fused (export/onnx/fused.py's graph of contrib ops): (L, nkv, max_pos, d), the op's BNSH per layer
+KV_LAYOUTS = {"matmul": KV_LAYOUT, "gqa": "layer_head_major", "fused": "layer_head_major"}
 
 
 def input_names(num_layers: int) -> list:

@@ -144,7 +144,7 @@ def _models(b) -> List[Tuple[str, object, str, Mapping]]:
     target = b.target.backends.get("onnx")
     if target is None:
         raise BundleError(f"{b.root}: the target has no ONNX graph to build engines from; run "
-                          f"`edgespec export --to onnx --bundle {b.root} --precision fp16` first")
+                          f"`edgespec export --to onnx --bundle {b.root} --precision fp16 --attention matmul` first")
     out = [("target", b.target.spec, _graph(b, "target", target), target.params)]
     for name, d in b.drafters.items():
         entry = d.backends.get("onnx")
@@ -156,12 +156,12 @@ def _models(b) -> List[Tuple[str, object, str, Mapping]]:
 def _graph(b, label: str, entry) -> str:
     if entry.params.get("attention", "matmul") != "matmul":  # a com.microsoft op TensorRT's parser does not know
         raise BundleError(f"{b.root}: the {label}'s ONNX graph uses ONNX Runtime's GroupQueryAttention "
-                          f"(--attention {entry.params['attention']}); engines are built from the default graphs: "
-                          f"`edgespec export --to onnx --bundle {b.root} --precision fp16`")
+                          f"(--attention {entry.params['attention']}); engines are built from the matmul graphs: "
+                          f"`edgespec export --to onnx --bundle {b.root} --precision fp16 --attention matmul`")
     graphs = [f for f in entry.files if f.endswith(".onnx")]
     if not graphs:
         raise BundleError(f"{b.root}: the ONNX entry of the {label} lists no .onnx graph; re-export it with "
-                          f"`edgespec export --to onnx --bundle {b.root} --precision fp16`")
+                          f"`edgespec export --to onnx --bundle {b.root} --precision fp16 --attention matmul`")
     return graphs[0]
 
 

@@ -54,6 +54,7 @@ class TargetBackend(Protocol):
         positions: np.ndarray,  # (T,) int, rope positions of the new tokens
         mask: Optional[np.ndarray] = None,  # (T, cache_len + T) bool, True = may attend; None = causal
         taps: Sequence[str] = (),
+        all_logits: bool = True,  # False: only the last row's logits (1, V) leave the backend (a prefill's)
     ) -> ForwardResult:
         """Run T new tokens against the cache, append their K/V as rows cache_len .. cache_len+T-1."""
 
@@ -104,10 +105,10 @@ def forward_in_chunks(target: TargetBackend, tokens: np.ndarray, positions: np.n
     names = list(dict.fromkeys(taps))  # a tap named twice (EAGLE-3's on a shallow target) is one tap
     logits, got = [], {name: [] for name in names}
     for s in range(0, len(tokens), chunk):
-        res = target.forward(tokens[s:s + chunk], positions[s:s + chunk], None, tuple(names))
         last = s + chunk >= len(tokens)
+        res = target.forward(tokens[s:s + chunk], positions[s:s + chunk], None, tuple(names), all_logits)
         if all_logits or last:
-            logits.append(res.logits if all_logits else res.logits[-1:])
+            logits.append(res.logits)
         for name in names:
             got[name].append(res.taps[name])
     one = len(logits) == 1  # a prompt within one chunk: no copy

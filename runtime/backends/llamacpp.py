@@ -227,7 +227,8 @@ class LlamaCppTarget(CacheRows):
 
     # -- TargetBackend --------------------------------------------------------------------------
 
-    def forward(self, tokens, positions, mask: Optional[np.ndarray] = None, taps: Sequence[str] = ()) -> ForwardResult:
+    def forward(self, tokens, positions, mask: Optional[np.ndarray] = None, taps: Sequence[str] = (),
+                all_logits: bool = True) -> ForwardResult:
         tokens = np.asarray(tokens, np.int64)
         positions = np.asarray(positions, np.int64)
         t = tokens.shape[0]
@@ -246,7 +247,8 @@ class LlamaCppTarget(CacheRows):
                     for s in range(0, t, self.max_batch)]
             self.committed += t
             self.cache.length = p + t
-            return ForwardResult(logits=np.concatenate([o[0] for o in outs]),
+            logits = np.concatenate([o[0] for o in outs])
+            return ForwardResult(logits=logits if all_logits else logits[-1:],
                                  taps={n: np.concatenate([o[1][n] for o in outs]) for n in taps})
         if mask is None:
             mask = np.concatenate([np.ones((t, p), bool), np.tri(t, dtype=bool)], axis=1)
@@ -263,7 +265,7 @@ class LlamaCppTarget(CacheRows):
         self.tree.pos += positions.tolist()
         self.tree.seqs += seqs
         self.cache.length = p + t
-        return ForwardResult(logits=logits, taps=got)
+        return ForwardResult(logits=logits if all_logits else logits[-1:], taps=got)
 
     def _decode(self, tokens, positions, query, seqs, taps):
         lib, b, t = self.lib, self.batch, len(tokens)

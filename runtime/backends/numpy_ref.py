@@ -57,7 +57,8 @@ class NumpyTarget(CacheRows):
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         return self.w["model.embed_tokens.weight"][tokens]
 
-    def forward(self, tokens, positions, mask: Optional[np.ndarray] = None, taps: Sequence[str] = ()) -> ForwardResult:
+    def forward(self, tokens, positions, mask: Optional[np.ndarray] = None, taps: Sequence[str] = (),
+                all_logits: bool = True) -> ForwardResult:
         tokens = np.asarray(tokens, dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)
         t = tokens.shape[0]
@@ -80,7 +81,7 @@ class NumpyTarget(CacheRows):
         if "final_norm" in want:
             got["final_norm"] = h
         self.cache.length = start + t
-        return ForwardResult(logits=h @ self.lm_head.T, taps=got)
+        return ForwardResult(logits=(h if all_logits else h[-1:]) @ self.lm_head.T, taps=got)
 
     def keep(self, start: int, rows: Sequence[int]) -> None:
         self.cache.keep(start, rows)

@@ -13,7 +13,8 @@ smaller P; after a tree verify `keep` moves only the accepted rows.
 A graph exported with `--attention gqa` (ONNX Runtime's GroupQueryAttention, export/onnx/gqa.py) has outputs
 present_key_{i} instead of new_key_{i}: the op takes one shared past/present buffer per layer in BNSH form, so
 this backend then reads its arena HEAD-major, (L, nkv, max_pos, d), binds layer i's whole block
-(1, nkv, max_pos, d) as both past_key_i and present_key_i, and the op writes rows [P, P+T) in place.
+(1, nkv, max_pos, d) as both past_key_i and present_key_i, and the op writes rows [P, P+T) in place. The fused
+graph (`--attention fused`, the default for fp32 targets: export/onnx/fused.py) has the same contract.
 
 Logits and taps are written into preallocated host arrays the same way. With the CUDA or TensorRT provider
 first in the list, the K/V live in device memory instead (runtime/backends/onnx_arena.py: an OrtValue arena,
@@ -104,6 +105,20 @@ class OnnxTarget(CacheRows):
         outputs = {o.name for o in self.session.get_outputs()}
         # GroupQueryAttention graphs: one shared past/present buffer per layer, head-major (module docstring)
         self.shared_kv = "present_key_0" in outputs
+        if self.shared_kv and device_for(providers) == "cuda":  # ONNX Runtime 1.32's CUDA kernel, per its source
+            raise BackendError(f"{model_path}: this graph's GroupQueryAttention takes the tree mask as attention_bias, "
+                               f"which ONNX Runtime's CUDA kernel refuses; re-export it for the GPU with `edgespec "
+                               f"export --to onnx --bundle {bundle_of(model_path)} --attention matmul`")
+        # fused graphs: logits for rows [logits_from, T) only (export/onnx/fused.py); 0 = all, T-1 = a prefill's last
+        self._logits_from = np.zeros(1, np.int64) if "logits_from" in inputs else None
+        meta = self.session.get_modelmeta().custom_metadata_map
+        # fused graphs: the attention op is causal itself, so a causal forward binds an all-zero bias (_zero_bias)
+        self._causal_op = meta.get("attention_is_causal") == "1"
+        self._zeros = np.zeros(0, np.float32)
+        rope = meta.get("rope_positions")
+        if rope is not None and cache.max_positions > int(rope):  # a fused graph's rope table (export/onnx/fused.py)
+            raise BackendError(f"{model_path}: the graph's rope table holds {rope} positions, the KV cache "
+                               f"{cache.max_positions}; lower memory.max_context to {rope} or less")
         self.tap_names = tuple(tap_names)
         for t in self.tap_names:
             parse_tap(t, spec.num_layers)
@@ -133,6 +148,7 @@ class OnnxTarget(CacheRows):
             self.v = cache.v.reshape(view)
             self._bind_kv_in, self._bind_kv_out = self._bind_input, self._bind_output
             self._ptrs = [(f"_{i}", self.k[i].ctypes.data, self.v[i].ctypes.data) for i in range(n)]
+        self._kv_bound: Optional[tuple] = None  # the taps bound with the shared K/V blocks (_bind_shared_kv)
         self.last_run_s = 0.0  # time inside ORT during the last forward (the rest is Python overhead)
 
     @functools.cached_property  # read once, at load: a re-export next to a running node must not fail requests
@@ -147,7 +163,8 @@ class OnnxTarget(CacheRows):
     def _bind_out(self, name: str, arr: np.ndarray) -> None:
         self._bind_output(name, arr.dtype, arr.shape, arr.ctypes.data)
 
-    def forward(self, tokens, positions, mask: Optional[np.ndarray] = None, taps: Sequence[str] = ()) -> ForwardResult:
+    def forward(self, tokens, positions, mask: Optional[np.ndarray] = None, taps: Sequence[str] = (),
+                all_logits: bool = True) -> ForwardResult:
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         positions = np.ascontiguousarray(positions, dtype=np.int64)
         t, p = tokens.shape[0], self.cache.length
@@ -158,35 +175,35 @@ class OnnxTarget(CacheRows):
                                    f"re-export with `edgespec export --to onnx --bundle {bundle_of(self.model_path)} "
                                    f"--taps {' '.join(sorted(set(self.tap_names) | {name}))}`")
         if mask is None:
-            add_mask = causal_additive_mask(p, t)
+            add_mask = self._zero_bias(t, p) if self._causal_op else causal_additive_mask(p, t)
         else:
             if mask.shape != (t, p + t):
                 raise ValueError(f"mask shape {mask.shape}, expected {(t, p + t)} (new tokens x cache+new)")
             add_mask = additive_mask(mask)
-        logits = np.empty((t, self.spec.vocab_size), np.float32)
+        rows = t if all_logits or self._logits_from is None else 1
+        logits = np.empty((rows, self.spec.vocab_size), np.float32)
         got: Dict[str, np.ndarray] = {name: np.empty((t, self.spec.hidden_size), np.float32) for name in taps}
         b = self.binding
-        b.clear_binding_inputs()
-        b.clear_binding_outputs()
-        self._bind_in("input_ids", tokens)
-        self._bind_in("position_ids", positions)
-        self._bind_in("attention_mask", add_mask)
-        past, new, dt = (p, *self._row), (t, *self._row), self.kv_dtype
-        skip = p * self._row_bytes
-        if self.shared_kv:  # the op reads rows [0, P) and writes [P, P+T) of the one buffer bound twice
-            block = (1, self._row[0], self.cache.max_positions, self._row[1])
-            for i, kp, vp in self._ptrs:
-                self._bind_kv_in("past_key" + i, dt, block, kp)
-                self._bind_kv_in("past_value" + i, dt, block, vp)
-                self._bind_kv_out("present_key" + i, dt, block, kp)
-                self._bind_kv_out("present_value" + i, dt, block, vp)
+        if self.shared_kv:
+            self._bind_shared_kv(tuple(taps))
         else:
+            b.clear_binding_inputs()
+            b.clear_binding_outputs()
+            past, new, dt = (p, *self._row), (t, *self._row), self.kv_dtype
+            skip = p * self._row_bytes
             for i, kp, vp in self._ptrs:
                 # Layer i's past is rows [0, P) of its block and the new rows land at [P, P+T): by pointer, no copy.
                 self._bind_kv_in("past_key" + i, dt, past, kp)
                 self._bind_kv_in("past_value" + i, dt, past, vp)
                 self._bind_kv_out("new_key" + i, dt, new, kp + skip)
                 self._bind_kv_out("new_value" + i, dt, new, vp + skip)
+        # binding a name again replaces its earlier binding
+        self._bind_in("input_ids", tokens)
+        self._bind_in("position_ids", positions)
+        self._bind_in("attention_mask", add_mask)
+        if self._logits_from is not None:
+            self._logits_from[0] = t - rows  # bound by pointer: read when the graph runs
+            self._bind_in("logits_from", self._logits_from)
         self._bind_out("logits", logits)
         for name, arr in got.items():
             self._bind_out(tap_output_name(name), arr)
@@ -194,7 +211,31 @@ class OnnxTarget(CacheRows):
         self.session.run_with_iobinding(b)
         self.last_run_s = time.perf_counter() - start
         self.cache.length = p + t
-        return ForwardResult(logits=logits, taps=got)
+        return ForwardResult(logits=logits if all_logits or rows == 1 else logits[-1:].copy(), taps=got)
+
+    def _zero_bias(self, t: int, p: int) -> np.ndarray:
+        """(T, P+T) zeros, a view of one buffer kept across steps (grown, never refilled: nothing writes it)."""
+        n = t * (p + t)
+        if self._zeros.size < n:
+            self._zeros = np.zeros(max(n, 2 * self._zeros.size), np.float32)
+        return self._zeros[:n].reshape(t, p + t)
+
+    def _bind_shared_kv(self, taps: tuple) -> None:
+        """GroupQueryAttention graphs: the op reads rows [0, P) and writes [P, P+T) of each layer's whole block,
+        bound as both past and present, so the 4 bindings per layer are the same every step: made once, and again
+        only when the set of bound outputs changes (a tap bound earlier with another T would not match)."""
+        if self._kv_bound == taps:
+            return
+        b, dt = self.binding, self.kv_dtype
+        b.clear_binding_inputs()
+        b.clear_binding_outputs()
+        block = (1, self._row[0], self.cache.max_positions, self._row[1])
+        for i, kp, vp in self._ptrs:
+            self._bind_kv_in("past_key" + i, dt, block, kp)
+            self._bind_kv_in("past_value" + i, dt, block, vp)
+            self._bind_kv_out("present_key" + i, dt, block, kp)
+            self._bind_kv_out("present_value" + i, dt, block, vp)
+        self._kv_bound = taps
 
     def keep(self, start: int, rows: Sequence[int]) -> None:
         """KVCache.keep's contract, on the layer-major view: only the accepted rows move, once."""

@@ -242,7 +242,11 @@ class TensorRTTarget(CacheRows):
         kind = self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
         cuda_check(self.cudart.cudaMemcpyAsync(buf.host.ctypes.data, buf.ptr, nbytes, kind, self.stream), "D2H copy")
 
-    def forward(self, tokens, positions, mask: Optional[np.ndarray] = None, taps: Sequence[str] = ()) -> ForwardResult:
+    def forward(self, tokens, positions, mask: Optional[np.ndarray] = None, taps: Sequence[str] = (),
+                all_logits: bool = True) -> ForwardResult:
+        if not all_logits:  # the last row only (a prefill's): the rest is dropped here, not yet on the device
+            res = self.forward(tokens, positions, mask, taps)
+            return ForwardResult(logits=res.logits[-1:].copy(), taps=res.taps)
         t, p = len(tokens), self.cache.length
         self.cache.check_room(t)
         for name in taps:

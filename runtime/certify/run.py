@@ -135,7 +135,7 @@ class MemoModel:
                 self.memo[n] = (res.logits[i].copy(), {k: v[i].copy() for k, v in res.taps.items()})
         self.model.reset()
 
-    def forward(self, tokens, positions, mask=None, taps=()) -> ForwardResult:
+    def forward(self, tokens, positions, mask=None, taps=(), all_logits: bool = True) -> ForwardResult:
         base = len(self.rows)
         ids = list(self.rows)
         for j, tok in enumerate(int(t) for t in tokens):
@@ -151,7 +151,8 @@ class MemoModel:
         key = (tuple(ids), taps)
         if base == 0 and self._prefill is not None and self._prefill[0] == key:
             self.rows = ids  # every draw prefills the same prompt: reuse its stacked output
-            return self._prefill[1]
+            out = self._prefill[1]
+            return out if all_logits else ForwardResult(out.logits[-1:], out.taps)
         missing = [node for node in ids[base:] if node not in self.memo]
         if missing:
             self._compute(missing)
@@ -165,7 +166,7 @@ class MemoModel:
         out = ForwardResult(np.stack(logits), {k: np.stack(v) for k, v in tap_rows.items()})
         if base == 0:
             self._prefill = (key, out)
-        return out
+        return out if all_logits else ForwardResult(out.logits[-1:], out.taps)
 
     def keep(self, start: int, rows: Sequence[int]) -> None:
         self.rows = self.rows[:start] + [self.rows[r] for r in rows]

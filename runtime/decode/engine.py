@@ -20,7 +20,7 @@ from runtime.errors import RequestError
 from runtime.text.grammar import Grammar, GrammarState
 from runtime.sampling import SamplingParams, process_logits, process_logits_batch, sample
 from runtime.speculation import AdaptivePolicy, Calibration
-from runtime.tree import DraftTree, flatten
+from runtime.tree import DraftTree, verify_inputs
 from runtime.verify import verify_greedy, verify_sampled
 
 FINISH_REASONS = ("eos", "stop", "max_tokens", "deadline", "cancelled")
@@ -299,7 +299,7 @@ class Engine:
                 tree = self.drafter.propose(DraftContext(context, params, draft_rng, max_nodes, allowed, stop, record))
             draft_s = time.perf_counter() - td
             stats.draft_s += draft_s
-        tokens, positions, mask = flatten(tree, context[-1], base, base)
+        tokens, positions, mask = verify_inputs(tree, context[-1], base, base)  # mask None: a chain, causal
         tv = time.perf_counter()
         taps_wanted = self.drafter.target_taps if self.drafter else ()
         res = target.forward(tokens, positions, mask, taps_wanted)

@@ -226,3 +226,39 @@ def test_sample_rejects_invalid_probabilities():
     for bad in ([0.0, 0.0], [-0.1, 1.1], [np.nan, 1.0]):
         with pytest.raises(ValueError):
             sample(np.array(bad), rng)
+
+
+def test_greedy_batch_equals_the_general_path_ties_to_the_lowest_id():
+    """The greedy rows skip the float64 copy; an all-True mask forces the general path for comparison."""
+    rng = np.random.default_rng(0)
+    logits = rng.integers(-3, 3, (7, 50)).astype(np.float32)  # many ties
+    logits[2, :] = -np.inf
+    logits[2, 9] = 0.0
+    fast = process_logits_batch(logits, SamplingParams())
+    general = process_logits_batch(logits, SamplingParams(), masks=np.ones(logits.shape, bool))
+    np.testing.assert_array_equal(fast, general)
+    assert fast.dtype == np.float64 and (fast.argmax(axis=1) == logits.argmax(axis=1)).all()
+
+
+@pytest.mark.parametrize("bad, why", [(np.nan, "NaN"), (-np.inf, "-inf")])
+def test_greedy_batch_refuses_a_nan_or_all_minus_inf_row(bad, why):
+    logits = np.zeros((3, 8), np.float32)
+    if bad != bad:  # NaN: one entry of a row is enough
+        logits[1, 5] = bad
+    else:
+        logits[1, :] = bad
+    with pytest.raises(ValueError, match=why):
+        process_logits_batch(logits, SamplingParams())
+
+
+def test_greedy_batch_allocates_one_vocab_by_rows_array():
+    """Host work per cycle: the (N, V) logits become the (N, V) one-hot rows without a float64 copy of them or
+    full-size boolean scans (each another N x V array)."""
+    import tracemalloc
+
+    logits = np.random.default_rng(1).standard_normal((8, 50_000)).astype(np.float32)
+    tracemalloc.start()
+    process_logits_batch(logits, SamplingParams())
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 1.25 * logits.size * 8  # the float64 result itself, and little else

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from runtime.tree import DraftTree, chain, empty_tree, flatten, from_choices
+from runtime.tree import DraftTree, chain, empty_tree, flatten, from_choices, verify_inputs
 
 # root ── 0 ── 3 ── 5
 #      ├─ 1
@@ -127,3 +127,18 @@ def test_validate_names_the_inconsistency(tree, message):
 
 def test_validate_ignores_q_rows_of_deterministic_nodes():
     DraftTree(np.array([2]), np.array([-1]), q=np.array([[0.5, 0.5, 0.0]]), deterministic=np.array([True])).validate()
+
+
+def test_verify_inputs_leave_a_chains_mask_to_the_backend_as_causal():
+    """A chain's flattened mask is exactly the causal one, so the verify passes None (no (T, P+T) array per cycle);
+    a branching tree keeps flatten's mask; tokens and positions are flatten's either way."""
+    empty = empty_tree()
+    branching = DraftTree(tokens=np.array([4, 5, 6]), parents=np.array([-1, -1, 0]))
+    for tree in (empty, chain([7, 8, 9])):
+        tokens, positions, mask = verify_inputs(tree, 3, 5, 5)
+        want_tokens, want_positions, want_mask = flatten(tree, 3, 5, 5)
+        assert mask is None and (tokens == want_tokens).all() and (positions == want_positions).all()
+        t = len(tokens)
+        assert (want_mask == np.concatenate([np.ones((t, 5), bool), np.tri(t, dtype=bool)], axis=1)).all()
+    got, want = verify_inputs(branching, 3, 5, 5), flatten(branching, 3, 5, 5)
+    assert all((a == b).all() for a, b in zip(got, want))

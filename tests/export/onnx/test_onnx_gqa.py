@@ -145,5 +145,5 @@ def test_export_cli_records_gqa_attention_and_the_head_major_layout_in_the_bundl
     from export.tensorrt.build import _models
     from runtime.errors import BundleError
 
-    with pytest.raises(BundleError, match="GroupQueryAttention.*--precision fp16`"):  # TensorRT parses no contrib op
+    with pytest.raises(BundleError, match="GroupQueryAttention.*--precision fp16 --attention matmul`"):  # TensorRT parses no contrib op
         _models(b)

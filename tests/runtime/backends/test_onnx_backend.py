@@ -245,7 +245,9 @@ def test_export_cli_adds_target_and_draft_model_graphs_to_a_bundle(tmp_path, cap
     assert "max rel error" in capsys.readouterr().out
     b = bundle_mod.load(root)
     target_files, draft_files = b.target_files("onnx"), b.drafter("draft").backends["onnx"]
-    assert target_files.params == {"precision": "fp32", "taps": ["final_norm", "layer_out.0"], "kv_layout": "layer_major"}
+    assert target_files.params == {"precision": "fp32", "taps": ["final_norm", "layer_out.0"], "attention": "fused",
+                                   "kv_layout": "layer_head_major"}  # the default for a float target
+    assert draft_files.params["kv_layout"] == "layer_major"
     embed = weights["model.embed_tokens.weight"].nbytes
     draft_data = os.path.getsize(b.path(draft_files.files[0]) + ".data")
     assert draft_data <= sum(a.nbytes for a in dweights.values()) - embed  # the embedding lives in the target's file
@@ -305,7 +307,6 @@ def test_export_refuses_a_graph_that_differs_from_the_reference_and_leaves_the_b
     import shutil
 
     import export.onnx.bundle as onnx_bundle
-    import export.onnx.graph as onnx_export
     from runtime.cli import main
 
     root = str(tmp_path / "bundle")
@@ -317,13 +318,13 @@ def test_export_refuses_a_graph_that_differs_from_the_reference_and_leaves_the_b
                 for d, _, names in os.walk(root) for n in names}
 
     before = snapshot()
-    real = onnx_export.export_decoder_onnx
+    real = onnx_bundle.export_graph
 
-    def wrong_graph(spec, weights, out_path, taps=("final_norm",), precision="fp32", attention="matmul"):
+    def wrong_graph(spec, weights, out_path, taps, precision, attention):
         weights = {**weights, "model.norm.weight": weights["model.norm.weight"] * 1.5}
         return real(spec, weights, out_path, taps, precision, attention)
 
-    monkeypatch.setattr(onnx_bundle, "export_decoder_onnx", wrong_graph)  # where the bundle export calls it
+    monkeypatch.setattr(onnx_bundle, "export_graph", wrong_graph)  # where the bundle export builds float graphs
     capsys.readouterr()
     assert main(["export", "--to", "onnx", "--bundle", root]) == 2
     err = capsys.readouterr().err
