@@ -79,7 +79,7 @@ ros() {
 }
 
 bundles() {
-  local key; key=$(hash_of zoo/MANIFEST.yaml zoo/target/* zoo/draft/* zoo/medusa/* zoo/eagle1/* zoo/eagle3/* zoo/dflash/* zoo/dflash2/* export/bundle/builder.py runtime/model/bundle.py export/onnx/graph.py export/onnx/bundle.py export/drafters/medusa.py export/drafters/eagle.py export/drafters/dflash.py export/drafters/mtp_onnx.py export/drafters/medusa_onnx.py export/drafters/eagle_onnx.py export/drafters/dflash_onnx.py)
+  local key; key=$(hash_of zoo/MANIFEST.yaml zoo/target/* zoo/draft/* zoo/medusa/* zoo/eagle1/* zoo/eagle3/* zoo/dflash/* zoo/dflash2/* export/bundle/*.py runtime/model/bundle.py export/onnx/*.py export/drafters/medusa.py export/drafters/eagle.py export/drafters/dflash.py export/drafters/*_onnx.py)  # every file the bundle's build reads
   if [ ! -f zoo/MANIFEST.yaml ]; then echo "== bootstrap: no zoo/ in this checkout; skipping the bundle"; return; fi
   if stamp_ok bundles "$key" && [ -f build/bundles/zoo/bundle.yaml ]; then echo "== bootstrap: zoo bundle up to date"; return; fi
   step "building the zoo bundle (build/bundles/zoo) from zoo/"
