@@ -78,7 +78,7 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
         if dw:
             graphs.append((name, f"onnx/drafter.{name}.{precision}.onnx", d.spec, dw, ()))
     # K-step draft graphs (one run per drafted chain): layer-major K/V only, as the step graph they share weights with
-    ksteps = {} if quantised or attention != "matmul" else {
+    ksteps = {} if quantised or graph_attention(attention, precision, False) != "matmul" else {
         label: (kstep_rel(label, precision, int(b.drafters[label].params.get("num_tokens", 4))),
                 int(b.drafters[label].params.get("num_tokens", 4))) for label, *_ in graphs if label != "target"}
 
