@@ -103,8 +103,10 @@ def forward_in_chunks(target: TargetBackend, tokens: np.ndarray, positions: np.n
         raise ValueError(f"a chunked forward of {len(tokens)} tokens in chunks of {chunk}: expected >= 1 of each")
     names = list(dict.fromkeys(taps))  # a tap named twice (EAGLE-3's on a shallow target) is one tap
     logits, got = [], {name: [] for name in names}
+    # A backend that can leave out the rows not kept (gguf: its LM head then runs on one row) is told so.
+    partial = {"last_logits_only": True} if not all_logits and getattr(target, "partial_logits", False) else {}
     for s in range(0, len(tokens), chunk):
-        res = target.forward(tokens[s:s + chunk], positions[s:s + chunk], None, tuple(names))
+        res = target.forward(tokens[s:s + chunk], positions[s:s + chunk], None, tuple(names), **partial)
         last = s + chunk >= len(tokens)
         if all_logits or last:
             logits.append(res.logits if all_logits else res.logits[-1:])
