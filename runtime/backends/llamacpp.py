@@ -140,8 +140,9 @@ def _threadpool_api():
 
 def _attach_threadpool(ctx, threads: int):
     """A threadpool of `threads` attached to `ctx` as llama.cpp's tools attach theirs (poll 50, their default), so
-    decodes reuse its workers; the pointer to free after the context, or None (then ggml makes and joins a pool of
-    threads inside every llama_decode: measured 6 ms vs 180 ms a token at 2 threads on a loaded 2-core machine)."""
+    decodes reuse it; the pointer to free after the context, or None. Without one ggml builds a disposable pool
+    inside every llama_decode: a struct in an OpenMP build (the bootstrap's: its OpenMP workers persist anyway),
+    threads started and joined per decode in a build without OpenMP."""
     api = _threadpool_api()
     if api is None or threads < 2:  # one thread computes on the caller's: no pool to keep
         return None
