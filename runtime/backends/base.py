@@ -104,7 +104,7 @@ def forward_in_chunks(target: TargetBackend, tokens: np.ndarray, positions: np.n
     names = list(dict.fromkeys(taps))  # a tap named twice (EAGLE-3's on a shallow target) is one tap
     logits, got = [], {name: [] for name in names}
     # A backend that can leave out the rows not kept (gguf: its LM head then runs on one row) is told so.
-    partial = {"last_logits_only": True} if not all_logits and getattr(target, "partial_logits", False) else {}
+    partial = {"all_logits": False} if not all_logits and getattr(target, "partial_logits", False) else {}
     for s in range(0, len(tokens), chunk):
         res = target.forward(tokens[s:s + chunk], positions[s:s + chunk], None, tuple(names), **partial)
         last = s + chunk >= len(tokens)

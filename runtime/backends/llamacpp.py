@@ -27,7 +27,7 @@ persistent threadpool attached as llama.cpp's own tools attach theirs.
 
 Per step the Python side stays off the per-token path: the batch is preallocated and filled through numpy views
 of its C arrays, and only the logits rows asked for are computed and copied out (a prefill's last row:
-`last_logits_only`; `logit_rows_fetched` counts them)."""
+`all_logits=False`; `logit_rows_fetched` counts them)."""
 from __future__ import annotations
 
 import ctypes
@@ -294,12 +294,13 @@ class LlamaCppTarget(CacheRows):
 
     # -- TargetBackend --------------------------------------------------------------------------
 
-    partial_logits = True  # forward takes last_logits_only (runtime/backends/base.forward_in_chunks asks for it)
+    partial_logits = True  # forward takes all_logits (runtime/backends/base.forward_in_chunks passes it)
 
     def forward(self, tokens, positions, mask: Optional[np.ndarray] = None, taps: Sequence[str] = (),
-                last_logits_only: bool = False) -> ForwardResult:
-        """TargetBackend.forward; `last_logits_only` (a prefill's chunks, taps aside) returns the logits of the
-        last token only, (1, V), and llama.cpp computes no others."""
+                all_logits: bool = True) -> ForwardResult:
+        """TargetBackend.forward; `all_logits` False (a prefill's chunks) returns the logits of the last token
+        only, (1, V), and llama.cpp computes no others (with a tap asked, every row is still output)."""
+        last_logits_only = not all_logits
         tokens = np.asarray(tokens, np.int64)
         positions = np.asarray(positions, np.int64)
         t = tokens.shape[0]

@@ -315,7 +315,7 @@ def test_a_prefill_asking_for_the_last_logits_fetches_one_row_per_chunk_equal_to
     got = forward_in_chunks(last, prompt, np.arange(100), (), 16, all_logits=False).logits
     assert got.shape == (1, ref.shape[1]) and last.logit_rows_fetched == 7
     np.testing.assert_allclose(got[0], ref[-1], rtol=0, atol=2e-3 * np.abs(ref).max())
-    one = last.forward(np.array([5]), np.array([100]), None, (), last_logits_only=True)
+    one = last.forward(np.array([5]), np.array([100]), None, (), all_logits=False)
     assert one.logits.shape == (1, ref.shape[1]) and last.logit_rows_fetched == 8  # a step: its one row
     full.close()
     last.close()
@@ -323,11 +323,11 @@ def test_a_prefill_asking_for_the_last_logits_fetches_one_row_per_chunk_equal_to
 
 @needs_zoo
 @needs_llama
-def test_a_tap_keeps_every_row_of_a_last_logits_only_prefill(gguf_bundles):
+def test_a_tap_keeps_every_row_of_a_prefill_that_wants_only_its_last_logits(gguf_bundles):
     """llama.cpp outputs a row's hidden state only with its logits: asking for final_norm fetches all rows of
     both (the drafter reads every prefill row), while the logits returned are still the last row's."""
     t = _target(gguf_bundles["f16"], taps=("final_norm",))
-    res = t.forward(np.arange(3, 23), np.arange(20), None, ("final_norm",), last_logits_only=True)
+    res = t.forward(np.arange(3, 23), np.arange(20), None, ("final_norm",), all_logits=False)
     assert res.logits.shape[0] == 1 and res.taps["final_norm"].shape[0] == 20 and t.logit_rows_fetched == 20
     t.close()
 
