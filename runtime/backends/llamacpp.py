@@ -22,7 +22,12 @@ the session is opened.
 
 llama.cpp is built non-native (scripts/bootstrap.sh): a -march=native build turns on the AMX kernels
 on CPUs that advertise AMX and q8_0 models then die with SIGILL on some VMs. Flash attention is off
-(on CPU it made batched verification up to 7x slower, measured) and threads are the core count."""
+(on CPU it made batched verification up to 7x slower, measured) and threads are the core count, on one
+persistent threadpool attached as llama.cpp's own tools attach theirs.
+
+Per step the Python side stays off the per-token path: the batch is preallocated and filled through numpy views
+of its C arrays, and only the logits rows asked for are computed and copied out (a prefill's last row:
+`all_logits=False`; `logit_rows_fetched` counts them)."""
 from __future__ import annotations
 
 import ctypes
@@ -95,6 +100,58 @@ def echo_library_log(on: bool) -> None:
 def _recent_log() -> str:
     lines = [line for line in _log_tail if line.strip()]
     return ("; llama.cpp said: " + " | ".join(lines[-3:])) if lines else ""
+
+
+class _PoolParams(ctypes.Structure):
+    """ggml.h's struct ggml_threadpool_params (GGML_MAX_N_THREADS = 512)."""
+    _fields_ = [("cpumask", ctypes.c_bool * 512), ("n_threads", ctypes.c_int), ("prio", ctypes.c_int),
+                ("poll", ctypes.c_uint32), ("strict_cpu", ctypes.c_bool), ("paused", ctypes.c_bool)]
+
+
+def _threadpool_api():
+    """(new, free, attach) C functions for a persistent ggml CPU threadpool, or None where this llama-cpp-python
+    build does not export them. Found the way llama.cpp's own tools find them (common/common.cpp): through the CPU
+    backend's registry, so a build with ggml-cpu linked in or loaded as a module both work."""
+    with _lock:
+        if "pool_api" not in _state:
+            _state["pool_api"] = None
+            try:
+                from llama_cpp import _ggml
+                from llama_cpp import llama_cpp as raw
+                g = _ggml.libggml
+                g.ggml_backend_dev_by_type.argtypes, g.ggml_backend_dev_by_type.restype = [ctypes.c_int], ctypes.c_void_p
+                g.ggml_backend_dev_backend_reg.argtypes = [ctypes.c_void_p]
+                g.ggml_backend_dev_backend_reg.restype = ctypes.c_void_p
+                g.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+                g.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+                dev = g.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+                reg = g.ggml_backend_dev_backend_reg(dev) if dev else None
+                new = g.ggml_backend_reg_get_proc_address(reg, b"ggml_threadpool_new") if reg else None
+                free = g.ggml_backend_reg_get_proc_address(reg, b"ggml_threadpool_free") if reg else None
+                attach = raw._lib.llama_attach_threadpool
+                attach.argtypes, attach.restype = [ctypes.c_void_p] * 3, None
+                if new and free:
+                    _state["pool_api"] = (ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(_PoolParams))(new),
+                                          ctypes.CFUNCTYPE(None, ctypes.c_void_p)(free), attach)
+            except (ImportError, AttributeError, OSError):
+                pass
+        return _state["pool_api"]
+
+
+def _attach_threadpool(ctx, threads: int):
+    """A threadpool of `threads` attached to `ctx` as llama.cpp's tools attach theirs (poll 50, their default), so
+    decodes reuse it; the pointer to free after the context, or None. Without one ggml builds a disposable pool
+    inside every llama_decode: a struct in an OpenMP build (the bootstrap's: its OpenMP workers persist anyway),
+    threads started and joined per decode in a build without OpenMP."""
+    api = _threadpool_api()
+    if api is None or threads < 2:  # one thread computes on the caller's: no pool to keep
+        return None
+    new, _, attach = api
+    params = _PoolParams(n_threads=threads, prio=0, poll=50, strict_cpu=False, paused=False)
+    pool = new(ctypes.byref(params))
+    if pool:
+        attach(ctx, pool, None)  # NULL batch pool: the same pool serves batches (llama_context::attach_threadpool)
+    return pool or None
 
 
 @dataclass
@@ -219,16 +276,31 @@ class LlamaCppTarget(CacheRows):
             self._free_model()
             raise BackendError(f"{model_path}: llama.cpp could not create a context of {cache.max_positions} positions"
                                f"{_recent_log()}; lower max_context or the memory budget")
+        self.pool = _attach_threadpool(self.ctx, self.threads)
         self.mem = lib.llama_get_memory(self.ctx)
         self.batch = lib.llama_batch_init(self.max_batch, 0, MAX_SEQUENCES)
+        # Views over the batch's C arrays: a batch is filled by numpy slices, not a Python loop per token.
+        b, n = self.batch, self.max_batch
+        self._token = np.ctypeslib.as_array(b.token, shape=(n,))  # (max_batch,) int32
+        self._pos = np.ctypeslib.as_array(b.pos, shape=(n,))  # (max_batch,) int32
+        self._n_seq = np.ctypeslib.as_array(b.n_seq_id, shape=(n,))  # (max_batch,) int32
+        self._wants = np.ctypeslib.as_array(b.logits, shape=(n,))  # (max_batch,) int8: 1 = output this row
+        self._views: Dict[tuple, np.ndarray] = {}  # (address, width) -> view of a llama.cpp output buffer
+        self._first_seq = np.full(n, -1, np.int32)  # mirror of seq_id[i][0], so chain batches skip writing it
         self.committed = 0
         self.tree = _TreeRows()
         self.weight_bytes = int(lib.llama_model_size(self.model))
+        self.logit_rows_fetched = 0  # (V,) rows copied out of llama.cpp so far: what the tests hold it to
 
     # -- TargetBackend --------------------------------------------------------------------------
 
+    partial_logits = True  # forward takes all_logits (runtime/backends/base.forward_in_chunks passes it)
+
     def forward(self, tokens, positions, mask: Optional[np.ndarray] = None, taps: Sequence[str] = (),
                 all_logits: bool = True) -> ForwardResult:
+        """TargetBackend.forward; `all_logits` False (a prefill's chunks) returns the logits of the last token
+        only, (1, V), and llama.cpp computes no others (with a tap asked, every row is still output)."""
+        last_logits_only = not all_logits
         tokens = np.asarray(tokens, np.int64)
         positions = np.asarray(positions, np.int64)
         t = tokens.shape[0]
@@ -242,14 +314,14 @@ class LlamaCppTarget(CacheRows):
                                   and np.array_equal(mask[:, p:], np.tri(t, dtype=bool)))
         if causal and not self.tree.pos and np.array_equal(positions, np.arange(p, p + t)):
             # Extends the committed chain (a prefill, plain decoding): sequence 0, in batches of max_batch.
-            outs = [self._decode(tokens[s:s + self.max_batch], positions[s:s + self.max_batch],
-                                 [0] * len(tokens[s:s + self.max_batch]), None, taps)
-                    for s in range(0, t, self.max_batch)]
+            outs = [self._decode(tokens[s:s + self.max_batch], positions[s:s + self.max_batch], None, None, taps,
+                                 last_logits_only) for s in range(0, t, self.max_batch)]
             self.committed += t
             self.cache.length = p + t
-            logits = np.concatenate([o[0] for o in outs])
-            return ForwardResult(logits=logits if all_logits else logits[-1:],
-                                 taps={n: np.concatenate([o[1][n] for o in outs]) for n in taps})
+            one = len(outs) == 1  # a step or a prompt within one batch: no second copy
+            logits = outs[-1][0][-1:] if last_logits_only else outs[0][0] if one else np.concatenate([o[0] for o in outs])
+            return ForwardResult(logits=logits, taps={n: outs[0][1][n] if one else np.concatenate([o[1][n] for o in outs])
+                                                      for n in taps})
         if mask is None:
             mask = np.concatenate([np.ones((t, p), bool), np.tri(t, dtype=bool)], axis=1)
         if mask.shape != (t, p + t):
@@ -261,33 +333,58 @@ class LlamaCppTarget(CacheRows):
             if self.committed:
                 self.lib.llama_memory_seq_cp(self.mem, 0, s, 0, self.committed)
             self.tree.used.add(s)
-        logits, got = self._decode(tokens, positions, query, seqs, taps)
+        logits, got = self._decode(tokens, positions, query, seqs, taps, last_logits_only)
+        logits = logits[-1:] if last_logits_only else logits
         self.tree.pos += positions.tolist()
         self.tree.seqs += seqs
         self.cache.length = p + t
-        return ForwardResult(logits=logits if all_logits else logits[-1:], taps=got)
+        return ForwardResult(logits=logits, taps=got)
 
-    def _decode(self, tokens, positions, query, seqs, taps):
+    def _decode(self, tokens, positions, query, seqs, taps, last_only: bool = False):
+        """One llama_decode of T tokens from the preallocated batch. `seqs` None: a chain in sequence 0. Logits
+        (and taps) of every row, or of the last row alone when `last_only` and no tap is asked: llama.cpp then
+        runs its LM head on that row only and one (1, V) row is copied out."""
         lib, b, t = self.lib, self.batch, len(tokens)
         b.n_tokens = t
-        for i in range(t):
-            b.token[i] = int(tokens[i])
-            b.pos[i] = int(positions[i])
-            ids = [query[i]] + sorted((seqs[i] - {query[i]}) if seqs is not None else ())
-            b.n_seq_id[i] = len(ids)
-            for j, s in enumerate(ids):
-                b.seq_id[i][j] = s
-            b.logits[i] = 1
+        self._token[:t] = tokens
+        self._pos[:t] = positions
+        if seqs is None:
+            self._n_seq[:t] = 1
+            for i in np.flatnonzero(self._first_seq[:t] != 0):  # rows a tree batch left on another sequence
+                b.seq_id[i][0] = 0
+            self._first_seq[:t] = 0
+        else:
+            for i in range(t):  # a tree: T <= a few dozen rows, each with its own set of sequences
+                ids = [query[i]] + sorted(seqs[i] - {query[i]})
+                b.n_seq_id[i] = len(ids)
+                for j, s in enumerate(ids):
+                    b.seq_id[i][j] = s
+            self._first_seq[:t] = query
+        out = self._wants[:t]
+        out[:] = 0 if last_only and not taps else 1
+        out[t - 1] = 1
         rc = lib.llama_decode(self.ctx, b)
         if rc != 0:
             raise BackendError(f"llama.cpp decode failed (code {rc}) for {t} tokens at positions "
                                f"{int(positions[0])}..{int(positions[-1])}{_recent_log()}")
-        logits = np.ctypeslib.as_array(lib.llama_get_logits(self.ctx), shape=(t, self.spec.vocab_size)).copy()
+        rows = int(out.sum())
+        self.logit_rows_fetched += rows
+        logits = self._rows(lib.llama_get_logits(self.ctx), rows, self.spec.vocab_size).copy()  # (rows, V)
         got = {}
         if "final_norm" in taps:
-            got["final_norm"] = np.ctypeslib.as_array(lib.llama_get_embeddings(self.ctx),
-                                                      shape=(t, self.spec.hidden_size)).copy()
+            got["final_norm"] = self._rows(lib.llama_get_embeddings(self.ctx), rows, self.spec.hidden_size).copy()
         return logits, got
+
+    def _rows(self, ptr, rows: int, width: int) -> np.ndarray:
+        """The first `rows` x `width` floats at a llama.cpp output pointer. np.ctypeslib.as_array makes a ctypes
+        array type per call (~0.2 ms, measured); the buffer stays put between decodes, so one view per address
+        (never read past the `rows` llama.cpp wrote) is made once and sliced."""
+        addr = ctypes.cast(ptr, ctypes.c_void_p).value
+        view = self._views.get((addr, width))
+        if view is None:
+            view = np.ctypeslib.as_array(ptr, shape=(self.max_batch, width))
+            self._views = {(addr, width): view, **{k: v for k, v in self._views.items() if k[1] != width}}
+        return view[:rows]
 
     def keep(self, start: int, rows: Sequence[int]) -> None:
         """KVCache.keep's contract. Rows already in place extend `start`; the kept rows past the committed
@@ -301,6 +398,8 @@ class LlamaCppTarget(CacheRows):
             start += 1
             rows.pop(0)
         lib, mem = self.lib, self.mem
+        if start == length == c and not self.tree.pos:  # plain decoding's keep: nothing past the chain to drop
+            return
         if start < c and rows:
             raise BackendError(f"llama.cpp backend: keep would move rows {rows} into the committed prefix at {start}")
         if start <= c and not rows:
@@ -350,6 +449,9 @@ class LlamaCppTarget(CacheRows):
         if getattr(self, "ctx", None):
             self.lib.llama_free(self.ctx)
             self.ctx = None
+        if getattr(self, "pool", None):  # after the context that used it
+            _threadpool_api()[1](self.pool)
+            self.pool = None
         self._free_model()
 
     def __del__(self):

@@ -286,3 +286,87 @@ def test_sampled_speculative_decoding_on_llamacpp_q8_0_passes_certify(gguf_bundl
     (bad,) = certify(session, context, SamplingParams(temperature=1.0), draws=400, alpha=1e-3, seed=9,
                      verifier=always_accept)
     assert not bad.passed and bad.first_p_value < 1e-3, bad
+
+
+# -- the fast path: only the logits rows asked for leave llama.cpp; batches, threadpool ---------------------
+
+def _target(bundle_dir, positions=128, threads=1, taps=()):
+    from runtime.backends.numpy_ref import cache_shape
+    from runtime.memory.kv import KVArena
+    from runtime.model import bundle
+
+    b = bundle.load(bundle_dir)
+    shape = cache_shape(b.target.spec)
+    cache = KVArena.for_context({"t": shape}, positions, np.float16).allocate("t", shape, positions)
+    return LlamaCppTarget(b.target.spec, b.path("gguf/target.f16.gguf"), cache, tap_names=taps, threads=threads)
+
+
+@needs_zoo
+@needs_llama
+def test_a_prefill_asking_for_the_last_logits_fetches_one_row_per_chunk_equal_to_the_full_forwards_last(gguf_bundles):
+    """forward_in_chunks(all_logits=False), as the engine's prefill calls it: 100 tokens in chunks of 16 copy 7
+    rows out of llama.cpp (one per chunk), not 100, and the row kept is the full forward's last row."""
+    from runtime.backends.base import forward_in_chunks
+
+    prompt = np.random.default_rng(1).integers(3, 3000, 100)
+    full, last = _target(gguf_bundles["f16"]), _target(gguf_bundles["f16"])
+    ref = full.forward(prompt, np.arange(100)).logits
+    assert full.logit_rows_fetched == 100
+    got = forward_in_chunks(last, prompt, np.arange(100), (), 16, all_logits=False).logits
+    assert got.shape == (1, ref.shape[1]) and last.logit_rows_fetched == 7
+    np.testing.assert_allclose(got[0], ref[-1], rtol=0, atol=2e-3 * np.abs(ref).max())
+    one = last.forward(np.array([5]), np.array([100]), None, (), all_logits=False)
+    assert one.logits.shape == (1, ref.shape[1]) and last.logit_rows_fetched == 8  # a step: its one row
+    full.close()
+    last.close()
+
+
+@needs_zoo
+@needs_llama
+def test_a_tap_keeps_every_row_of_a_prefill_that_wants_only_its_last_logits(gguf_bundles):
+    """llama.cpp outputs a row's hidden state only with its logits: asking for final_norm fetches all rows of
+    both (the drafter reads every prefill row), while the logits returned are still the last row's."""
+    t = _target(gguf_bundles["f16"], taps=("final_norm",))
+    res = t.forward(np.arange(3, 23), np.arange(20), None, ("final_norm",), all_logits=False)
+    assert res.logits.shape[0] == 1 and res.taps["final_norm"].shape[0] == 20 and t.logit_rows_fetched == 20
+    t.close()
+
+
+@needs_zoo
+@needs_llama
+def test_a_chain_after_a_tree_forward_is_back_in_sequence_zero(gguf_bundles):
+    """The preallocated batch keeps a tree's sequence ids in its rows; the next chain batch (3 tokens after
+    keeping one branch) must put every row back in sequence 0, so its logits equal decoding that branch from
+    scratch (a stale sequence id on row 1 or 2 would hide the committed rows from it)."""
+    prefix = np.array([1, 6, 300, 301, 302, 17, 900])
+    p = len(prefix)
+    tree = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)  # root, two children: leaves on sequences 0, 1
+    lc = _target(gguf_bundles["f16"])
+    lc.forward(prefix, np.arange(p))
+    lc.forward(np.array([40, 41, 42]), p + np.array([0, 1, 1]), np.concatenate([np.ones((3, p), bool), tree], 1))
+    lc.keep(p, [p, p + 2])  # root and the second child (sequence 1)
+    got = lc.forward(np.array([45, 46, 47]), np.arange(p + 2, p + 5)).logits
+    alone = _target(gguf_bundles["f16"])
+    want = alone.forward(np.concatenate([prefix, [40, 42, 45, 46, 47]]), np.arange(p + 5)).logits[-3:]
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-3)
+    lc.close()
+    alone.close()
+
+
+@needs_zoo
+@needs_llama
+def test_a_two_thread_backend_decodes_on_one_attached_threadpool_as_one_thread_does(gguf_bundles):
+    """Two threads: a persistent pool is attached (as llama.cpp's tools attach theirs; without it ggml starts
+    and joins threads inside every decode) and 12 greedy steps give one thread's tokens."""
+    def steps(t):
+        tok, out = 7, []
+        t.forward(np.arange(3, 13), np.arange(10))
+        for i in range(12):
+            tok = int(np.argmax(t.forward(np.array([tok]), np.array([10 + i])).logits[-1]))
+            out.append(tok)
+        t.close()
+        return out
+
+    two = _target(gguf_bundles["f16"], threads=2)
+    assert two.pool is not None
+    assert steps(two) == steps(_target(gguf_bundles["f16"], threads=1))
