@@ -294,7 +294,6 @@ class LlamaCppTarget(CacheRows):
 
     # -- TargetBackend --------------------------------------------------------------------------
 
-    partial_logits = True  # forward takes all_logits (runtime/backends/base.forward_in_chunks passes it)
 
     def forward(self, tokens, positions, mask: Optional[np.ndarray] = None, taps: Sequence[str] = (),
                 all_logits: bool = True) -> ForwardResult:
