@@ -294,7 +294,6 @@ class LlamaCppTarget(CacheRows):
 
     # -- TargetBackend --------------------------------------------------------------------------
 
-
     def forward(self, tokens, positions, mask: Optional[np.ndarray] = None, taps: Sequence[str] = (),
                 all_logits: bool = True) -> ForwardResult:
         """TargetBackend.forward; `all_logits` False (a prefill's chunks) returns the logits of the last token
