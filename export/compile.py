@@ -40,6 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "as attention_bias; 1.4-2.2x faster a step on CPU), matmul (grouped-query attention from MatMuls, "
                         "runs on every provider, the graph TensorRT engines are built from) or gqa (the traced graph "
                         "with GroupQueryAttention only; checked with onnxruntime 1.32)")
+    p.add_argument("--kstep", choices=("auto", "on", "off"), default="auto",
+                   help="onnx: the draft model's K-step graph (a whole drafted chain in one run, sampled in the graph; "
+                        "export/onnx/kstep.py): auto (default: with --precision fp16, the GPU graph, where the runtime "
+                        "takes it; on a CPU the step-wise chain measured faster), on, off")
     p.add_argument("--taps", nargs="+", metavar="TAP", default=None,
                    help="onnx: hidden states to export as extra outputs: final_norm, layer_in.I, layer_out.I. "
                         "Default: every tap the bundle's drafters read, plus final_norm")
@@ -112,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
                                "workstation with `pip install edgespec[export]` and copy the bundle to the robot") from None
         files = add_onnx_to_bundle(args.bundle, args.precision or "fp32", args.taps, validate=not args.no_validate,
                                    block_size=args.block_size, accuracy_level=args.accuracy_level,
-                                   attention=args.attention)
+                                   attention=args.attention, kstep=args.kstep)
     for f in files:
         print(f"wrote {args.bundle}/{f}")
     return 0

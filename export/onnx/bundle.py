@@ -26,10 +26,12 @@ from runtime.model.bundle import ONNX_PRECISIONS, onnx_entry_key
 def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[Sequence[str]] = None,
                        validate: bool = True, block_size: int = 32,
                        accuracy_level: Optional[int] = None, attention: str = "auto",
-                       only: Optional[Collection[str]] = None) -> Tuple[str, ...]:
+                       only: Optional[Collection[str]] = None, kstep: str = "auto") -> Tuple[str, ...]:
     """Export the bundle's target (from its numpy_ref safetensors) to ONNX and register it as backend
     "onnx"; likewise every `draft_model` drafter that has a spec and safetensors (with its K-step draft graph,
-    export/onnx/kstep.py, K = its params.num_tokens, where its attention is the default), and every MTP module.
+    export/onnx/kstep.py, K = its params.num_tokens, where its attention is the default and `kstep` asks for it:
+    "auto" = with fp16, the GPU precision, where the runtime's params.kstep "auto" takes it; on the 2-core CPU the
+    step-wise chain ran faster and the graph's export costs ~25 s; "on" | "off"), and every MTP module.
     Taps default to every tap the bundle's drafters read, plus final_norm. Returns the new files (relative to the bundle).
 
     precision int8 / int4: the target's fp32 graph, weight-only quantised by ONNX Runtime's MatMulNBits
@@ -78,7 +80,7 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
         if dw:
             graphs.append((name, f"onnx/drafter.{name}.{precision}.onnx", d.spec, dw, ()))
     # K-step draft graphs (one run per drafted chain): layer-major K/V only, as the step graph they share weights with
-    ksteps = {} if quantised or graph_attention(attention, precision, False) != "matmul" else {
+    ksteps = {} if not kstep_wanted(kstep, precision) or quantised or graph_attention(attention, precision, False) != "matmul" else {
         label: (kstep_rel(label, precision, int(b.drafters[label].params.get("num_tokens", 4))),
                 int(b.drafters[label].params.get("num_tokens", 4))) for label, *_ in graphs if label != "target"}
 
@@ -176,6 +178,15 @@ def export_graph(spec, weights, out_path: str, taps, precision: str, attention: 
     if attention == "fused":
         return export_fused_onnx(spec, weights, out_path, taps, precision)
     return export_decoder_onnx(spec, weights, out_path, taps, precision, attention)
+
+
+def kstep_wanted(kstep: str, precision: str) -> bool:
+    """Whether an export writes the draft model's K-step graph: "on", "off", or for "auto" with fp16 only (the GPU
+    graph, where the runtime's params.kstep "auto" runs it).
+
+    >>> [kstep_wanted("auto", p) for p in ("fp32", "fp16")], kstep_wanted("on", "fp32"), kstep_wanted("off", "fp16")
+    ([False, True], True, False)"""
+    return kstep == "on" or (kstep == "auto" and precision == "fp16")
 
 
 def graph_attention(attention: str, precision: str, target: bool) -> str:

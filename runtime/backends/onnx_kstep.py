@@ -59,7 +59,7 @@ class OnnxKStep:
         missing = [n for n in ("input_ids", *PARAM_INPUTS) if n not in names]
         if missing:
             raise BackendError(f"{model_path}: the K-step graph has no input {missing[0]!r}; re-export the bundle's "
-                               "ONNX graphs with `edgespec export --to onnx`")
+                               "ONNX graphs with `edgespec export --to onnx --bundle DIR --kstep on`")
         self.binding = self.session.io_binding()
         self._bind_input, self._bind_output = _binders(ort, self.binding)
         self._bind_kv_in, self._bind_kv_out = _binders(ort, self.binding, target.device)

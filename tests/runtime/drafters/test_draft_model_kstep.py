@@ -25,7 +25,8 @@ def kstep_bundle(tiny_bundle, tmp_path_factory):
 
     root = str(tmp_path_factory.mktemp("kstep") / "bundle")
     shutil.copytree(tiny_bundle, root)
-    add_onnx_to_bundle(root, "fp32", None, validate=True)  # the K-step graph checked against the numpy reference
+    # the K-step graph (asked for: an fp32 export writes one only with kstep "on") checked against the numpy reference
+    add_onnx_to_bundle(root, "fp32", None, validate=True, kstep="on")
     _set_kstep(root, "on")  # "auto" takes it only on a GPU provider; these tests run it on the CPU one
     return root
 
@@ -213,3 +214,14 @@ def test_kstep_on_a_device_arena_writes_the_same_rows_and_drafts_the_same_chain_
     np.testing.assert_allclose(got[0][1], got[1][1], atol=1e-6)
     for layer in range(host.spec.num_layers):
         np.testing.assert_allclose(host.layer_kv(layer)[0], dev.layer_kv(layer)[0], atol=1e-6)
+
+
+def test_an_export_writes_the_kstep_graph_for_fp16_by_default_and_for_any_float_precision_when_asked():
+    import doctest
+
+    import export.onnx.bundle as onnx_bundle
+    from export.onnx.bundle import kstep_wanted
+
+    assert [kstep_wanted("auto", p) for p in ("fp32", "fp16")] == [False, True]  # where runtime "auto" runs it
+    assert kstep_wanted("on", "fp32") and not kstep_wanted("off", "fp16")
+    assert doctest.testmod(onnx_bundle).failed == 0
