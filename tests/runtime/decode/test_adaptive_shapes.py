@@ -192,8 +192,8 @@ class Scrambled:
     def __getattr__(self, name):
         return getattr(self.t, name)
 
-    def forward(self, tokens, positions, mask=None, taps=()):
-        res = self.t.forward(tokens, positions, mask, taps)
+    def forward(self, tokens, positions, mask=None, taps=(), all_logits=True):
+        res = self.t.forward(tokens, positions, mask, taps, all_logits)
         res.logits = res.logits[:, ::-1].copy()
         self.peeked.append(len(tokens))
         return res
