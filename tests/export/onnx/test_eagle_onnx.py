@@ -102,3 +102,10 @@ def test_a_head_on_its_graph_keeps_no_numpy_copy_of_the_weights_the_graph_holds(
         assert max(np.abs(a - b_).max() for a, b_ in zip(*outs)) < 1e-4  # hidden and target-vocabulary logits
     finally:
         s.close()
+
+
+def test_the_export_check_scales_its_tolerance_by_the_output_so_a_trained_heads_peaked_logits_pass():
+    logits = np.array([50.0, -3.0], np.float32)  # a trained head: float32 rounding of ~2e-3 at |logit| 50
+    assert eagle_onnx._scaled_error(logits + np.float32(2e-3), logits) <= eagle_onnx.TOLERANCE
+    unit = np.array([0.5, -0.25], np.float32)  # unit scale: the same error is absolute, and too big
+    assert eagle_onnx._scaled_error(unit + np.float32(2e-3), unit) > eagle_onnx.TOLERANCE
