@@ -127,7 +127,7 @@ def _export_new_drafters(root: str, before, after, new: List[str], validate: boo
                                        accuracy_level=e.params.get("accuracy_level"))
             _drop_backend(root, "tensorrt", report, f"they were built from the old ONNX graphs; rebuild them on the "
                                                     f"device with `edgespec export --to tensorrt --bundle {root}`")
-    drafts = [n for n in new if after.drafters[n].kind == "draft_model"]
+    drafts = [n for n in new if registry.is_decoder(after.drafters[n].kind)]
     for quant in gguf_entries(before.target.backends) if drafts else ():
         from export.gguf.writer import add_gguf_to_bundle
 

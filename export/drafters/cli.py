@@ -87,7 +87,6 @@ def register(sub) -> None:
                    help="write the drafter from the checkpoint in --work as it stands, train no step (with the "
                         "run's own settings; the run may go on meanwhile and later with --resume)")
     p.add_argument("--force", action="store_true", help="replace the drafter files already in --out")
-    p.add_argument("--heads", type=int, default=4, help="medusa: number of heads, 1..16 (default 4)")
     p.add_argument("--layers", type=int, default=1,
                    help="medusa: ResBlocks per head, 0..8; dflash: draft layers, 1..8 (default 1)")
     p.add_argument("--steps", type=int, help="optimiser steps at most (default 600; with --until-plateau: no cap)")
@@ -128,14 +127,10 @@ def register(sub) -> None:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per row (default 256)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     p.add_argument("--seed", type=int, default=7, help="data and batch-order seed (default 7)")
-    p.add_argument("--tree-nodes", type=int, default=32,
-                   help="medusa: nodes at most of the tree tuned on the trained heads (default 32; 0 = no tree)")
     p.add_argument("--threads", type=int, default=2, help="torch threads over all processes (default 2)")
-    p.add_argument("--unroll", type=int, default=4, help="eagle: training-time-test steps (default 4; official 7)")
-    p.add_argument("--block-sizes", default="8,16",
-                   help="dflash: block lengths trained, the largest is the config's block_size (default 8,16)")
-    p.add_argument("--anchors", type=int, default=32, help="dflash: blocks trained per row (default 32)")
-    p.add_argument("--selector-rank", type=int, default=64, help="dflash2: candidate selector rank (default 64)")
+    for ex in registry.EXPORTS:  # each kind's own training flags
+        if ex.train_arguments is not None:
+            ex.train_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -147,15 +142,12 @@ def _check(args) -> None:
     if args.minutes is None:
         args.minutes = 1e9 if args.until_plateau else 10.0
     args.gen_tokens = args.gen_tokens or args.seq_len
-    for flag, value, lo, hi in (("--heads", args.heads, 1, 16), ("--layers", args.layers, 0, 8),
-                                ("--steps", args.steps, 1, 10**7), ("--batch", args.batch, 1, 4096),
-                                ("--seq-len", args.seq_len, 8, 1 << 16), ("--tree-nodes", args.tree_nodes, 0, 256),
-                                ("--threads", args.threads, 1, 256), ("--patience", args.patience, 1, 1000),
-                                ("--eval-every", args.eval_every, 1, 10**7), ("--eval-rows", args.eval_rows, 1, 10**6),
-                                ("--samples", args.samples, 1, 64), ("--gen-tokens", args.gen_tokens, 1, 1 << 16),
-                                ("--top-k", args.top_k, 0, 1 << 20), ("--cache-rows", args.cache_rows, 1, 10**8)):
-        if not lo <= value <= hi:
-            raise ConfigError(f"{flag}: got {value}, expected {lo}..{hi}")
+    registry.check_ranges((("--layers", args.layers, 0, 8), ("--steps", args.steps, 1, 10**7),
+                           ("--batch", args.batch, 1, 4096), ("--seq-len", args.seq_len, 8, 1 << 16),
+                           ("--threads", args.threads, 1, 256), ("--patience", args.patience, 1, 1000),
+                           ("--eval-every", args.eval_every, 1, 10**7), ("--eval-rows", args.eval_rows, 1, 10**6),
+                           ("--samples", args.samples, 1, 64), ("--gen-tokens", args.gen_tokens, 1, 1 << 16),
+                           ("--top-k", args.top_k, 0, 1 << 20), ("--cache-rows", args.cache_rows, 1, 10**8)))
     if args.zoo_examples is not None and not 10 <= args.zoo_examples <= 10**7:
         raise ConfigError(f"--zoo-examples: got {args.zoo_examples}, expected 10..10000000")
     from export.drafters.data import DOMAINS
@@ -170,8 +162,6 @@ def _check(args) -> None:
     trainer = registry.trainers()[args.kind]
     if trainer.check is not None:
         trainer.check(args)
-    if not 1 <= args.unroll <= 16:
-        raise ConfigError(f"--unroll: got {args.unroll}, expected 1..16")
     if not args.minutes > 0 or not args.lr > 0:
         raise ConfigError(f"--minutes and --lr must be > 0, got {args.minutes} and {args.lr}")
     if not os.path.isfile(os.path.join(args.target, "config.json")):

@@ -66,6 +66,7 @@ class DrafterExport:
     decoder_graph: bool = False  # its entries are decoder models: exported by the target's loop (K-step, quant)
     default: bool = False  # the bundle's default drafter when given (a separate draft model)
     trainers: Tuple[Trainer, ...] = ()
+    train_arguments: Optional[Callable[[Any], None]] = None  # (train-drafter's parser): the kind's own flags
     module: str = ""  # its kinds/ module's name, set by `discover`
 
 
@@ -85,15 +86,27 @@ def discover(names: Iterable[str]) -> Tuple[DrafterExport, ...]:
     return tuple(found)
 
 
-EXPORTS: Tuple[DrafterExport, ...] = discover(m.name for m in pkgutil.iter_modules(package.__path__))
-
-
 def by_kind(kind: str) -> Optional[DrafterExport]:
     return next((ex for ex in EXPORTS if kind in ex.kinds), None)
 
 
+def is_decoder(kind: str) -> bool:
+    """Whether entries of `kind` are decoder models, exported (ONNX, GGUF) as the target is."""
+    ex = by_kind(kind)
+    return ex is not None and ex.decoder_graph
+
+
 def flags() -> List[Tuple[DrafterExport, Flag]]:
     return [(ex, f) for ex in EXPORTS for f in ex.flags]
+
+
+def check_ranges(checks) -> None:
+    """ConfigError for the first (flag, value, lo, hi) whose value is outside lo..hi."""
+    from runtime.errors import ConfigError
+
+    for flag, value, lo, hi in checks:
+        if not lo <= value <= hi:
+            raise ConfigError(f"{flag}: got {value}, expected {lo}..{hi}")
 
 
 def trainers() -> Dict[str, Trainer]:
@@ -101,14 +114,13 @@ def trainers() -> Dict[str, Trainer]:
     return {t.kind: t for ex in EXPORTS for t in ex.trainers}
 
 
-def add_arguments(parser, short: bool = False) -> None:
-    """Every kind's bundle flags on `parser`; `short`: the help's first sentence (add-drafter's list)."""
+def add_arguments(parser) -> None:
+    """Every kind's bundle flags on `parser` (`edgespec bundle`, `bundle add-drafter`)."""
     for _, f in flags():
-        text = f.help.split("; ")[0] if short else f.help
         if f.repeat:
-            parser.add_argument(f.name, action="append", default=[], metavar=f.metavar, help=text)
+            parser.add_argument(f.name, action="append", default=[], metavar=f.metavar, help=f.help)
         else:
-            parser.add_argument(f.name, metavar=f.metavar, help=text)
+            parser.add_argument(f.name, metavar=f.metavar, help=f.help)
 
 
 def given(args) -> List[Tuple[str, str]]:
@@ -134,3 +146,7 @@ def add_given(writer, drafters: Sequence[Tuple[str, str]], target_spec) -> List[
 def graphs(job: GraphJob) -> List[Graph]:
     """Every drafter graph of the job's bundle that its kind exports itself, written into job.staging."""
     return [g for ex in EXPORTS if ex.graphs is not None for g in ex.graphs(job)]
+
+
+# Last: the kinds' modules import this module's types and helpers (check_ranges) while it is imported
+EXPORTS: Tuple[DrafterExport, ...] = discover(m.name for m in pkgutil.iter_modules(package.__path__))

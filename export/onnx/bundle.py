@@ -73,8 +73,7 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
         graphs = []
         b = replace(b, drafters={n: d for n, d in b.drafters.items() if n in only})  # the drafters to export
     for name, d in b.drafters.items():
-        ex = registry.by_kind(d.kind)
-        if quantised or ex is None or not ex.decoder_graph or d.spec is None:
+        if quantised or not registry.is_decoder(d.kind) or d.spec is None:
             continue  # the other kinds' graphs: their own exporters (export/drafters/kinds/), below
         dw = safetensors_weights(b, d.files)
         if dw:

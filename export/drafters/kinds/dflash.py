@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from export.drafters.registry import DrafterExport, Flag, GraphJob, Trainer
+from export.drafters.registry import DrafterExport, Flag, GraphJob, Trainer, check_ranges
 
 
 def _add(writer, flag: str, path: str, spec):
@@ -27,6 +27,13 @@ def _graphs(job: GraphJob):
     return out
 
 
+def _arguments(p) -> None:
+    p.add_argument("--block-sizes", default="8,16",
+                   help="dflash: block lengths trained, the largest is the config's block_size (default 8,16)")
+    p.add_argument("--anchors", type=int, default=32, help="dflash: blocks trained per row (default 32)")
+    p.add_argument("--selector-rank", type=int, default=64, help="dflash2: candidate selector rank (default 64)")
+
+
 def _check(args) -> None:
     from runtime.errors import ConfigError
 
@@ -37,10 +44,8 @@ def _check(args) -> None:
     if not sizes or not all(2 <= b <= 64 for b in sizes):
         raise ConfigError(f"--block-sizes: got {args.block_sizes!r}, expected comma-separated block lengths 2..64")
     args.block_sizes = sizes
-    for flag, value, lo, hi in (("--layers", args.layers, 1, 8), ("--anchors", args.anchors, 1, 4096),
-                                ("--selector-rank", args.selector_rank, 1, 4096)):
-        if not lo <= value <= hi:
-            raise ConfigError(f"{flag}: got {value}, expected {lo}..{hi}")
+    check_ranges((("--layers", args.layers, 1, 8), ("--anchors", args.anchors, 1, 4096),
+                  ("--selector-rank", args.selector_rank, 1, 4096)))
 
 
 def _mask_token(target_dir: str) -> int:
@@ -71,6 +76,7 @@ def _trainer(kind: str) -> Trainer:
 
 EXPORT = DrafterExport(
     kinds=("dflash", "dflash2"), add=_add, graphs=_graphs, trainers=(_trainer("dflash"), _trainer("dflash2")),
+    train_arguments=_arguments,
     flags=(Flag("--dflash", "official DFlash or DFlash-2 drafter directory (z-lab layout); repeatable, one of each "
                 "kind; one drafter <kind>_b<size> more per smaller block in dflash_config.trained_block_sizes",
                 repeat=True),))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from export.drafters.registry import DrafterExport, Flag, GraphJob, Trainer
+from export.drafters.registry import DrafterExport, Flag, GraphJob, Trainer, check_ranges
 
 
 def _add(writer, flag: str, path: str, spec):
@@ -31,6 +31,14 @@ def _graphs(job: GraphJob):
     return out
 
 
+def _arguments(p) -> None:
+    p.add_argument("--unroll", type=int, default=4, help="eagle: training-time-test steps (default 4; official 7)")
+
+
+def _check(args) -> None:
+    check_ranges((("--unroll", args.unroll, 1, 16),))
+
+
 def _trainer(kind: str) -> Trainer:
     def task(args, target):
         from export.drafters.eagle_train import EagleTask
@@ -38,11 +46,12 @@ def _trainer(kind: str) -> Trainer:
         return (EagleTask(kind, target, unroll=args.unroll),
                 f"one layer, training-time test over {args.unroll} steps")
 
-    return Trainer("eagle1" if kind == "eagle" else kind, task)
+    return Trainer("eagle1" if kind == "eagle" else kind, task, check=_check)
 
 
 EXPORT = DrafterExport(
     kinds=("eagle", "eagle3"), add=_add, graphs=_graphs, trainers=(_trainer("eagle"), _trainer("eagle3")),
+    train_arguments=_arguments,
     flags=(Flag("--eagle", "an EAGLE-1 head (config.json + model.safetensors; official, vLLM or speculators layout): "
                 "drafters eagle and eagle2"),
            Flag("--eagle3", "an EAGLE-3 head (same layouts): drafters eagle3 and eagle3_chain")))

@@ -3,7 +3,7 @@ the drafters medusa and medusa_chain, their one graph is export/drafters/medusa_
 trains them and tunes their tree."""
 from __future__ import annotations
 
-from export.drafters.registry import DrafterExport, Flag, GraphJob, Trainer
+from export.drafters.registry import DrafterExport, Flag, GraphJob, Trainer, check_ranges
 from runtime.errors import BundleError
 
 NAMES = ("medusa", "medusa_chain")
@@ -32,6 +32,16 @@ def _task(args, target):
     return medusa_task(target, args.heads, args.layers), f"{args.heads} heads x {args.layers} ResBlocks"
 
 
+def _arguments(p) -> None:
+    p.add_argument("--heads", type=int, default=4, help="medusa: number of heads, 1..16 (default 4)")
+    p.add_argument("--tree-nodes", type=int, default=32,
+                   help="medusa: nodes at most of the tree tuned on the trained heads (default 32; 0 = no tree)")
+
+
+def _check(args) -> None:
+    check_ranges((("--heads", args.heads, 1, 16), ("--tree-nodes", args.tree_nodes, 0, 256)))
+
+
 def _config(args, task, target, heldout, say) -> dict:
     """The medusa config keys: the heads' shape, and the tree tuned on held-out accuracies."""
     from export.drafters.medusa import accuracy_report, measure_accuracy, top_k_accuracy, tune_tree
@@ -53,8 +63,9 @@ def _config(args, task, target, heldout, say) -> dict:
 
 
 EXPORT = DrafterExport(
-    kinds=("medusa",), add=_add, graphs=_graphs,
-    trainers=(Trainer("medusa", _task, out_files=("medusa_lm_head.safetensors", "config.json"), config=_config),),
+    kinds=("medusa",), add=_add, graphs=_graphs, train_arguments=_arguments,
+    trainers=(Trainer("medusa", _task, out_files=("medusa_lm_head.safetensors", "config.json"), check=_check,
+                      config=_config),),
     flags=(Flag("--medusa", "Medusa heads for the target: a Medusa-1 head file (medusa_lm_head.safetensors, or .pt "
                 "read with weights_only), its directory, or a Medusa-2 checkpoint (heads under medusa_head.); adds "
                 "the drafters medusa (a tree) and medusa_chain", metavar="PATH"),))

@@ -39,7 +39,8 @@ def _graphs(job):
 
 
 EXPORT = DrafterExport(kinds=("fake",), add=_add, graphs=_graphs, flags=(Flag("--fake", "a fake drafter"),),
-                       trainers=(Trainer("fake", lambda args, target: (None, "nothing")),))
+                       trainers=(Trainer("fake", lambda args, target: (None, "nothing")),),
+                       train_arguments=lambda p: p.add_argument("--fake-depth", type=int, default=1))
 '''
 
 
@@ -82,11 +83,13 @@ def _subparser(parser, *path):
     return parser
 
 
-def test_a_new_kinds_module_puts_its_flag_on_bundle_and_add_drafter_and_its_trainer_on_train_drafter(fake_kind):
+def test_a_new_kinds_module_puts_its_flag_on_bundle_and_add_drafter_and_its_trainer_and_flags_on_train_drafter(
+        fake_kind):
     parser = build_parser()
     assert "--fake" in _subparser(parser, "bundle").format_help()
     assert "--fake" in _subparser(parser, "bundle", "add-drafter").format_help()
-    assert "fake" in _subparser(parser, "train-drafter").format_help()
+    train = _subparser(parser, "train-drafter")
+    assert "fake" in train.format_help() and "--fake-depth" in train.format_help()
 
 
 def test_a_new_kinds_module_adds_its_entry_when_the_bundle_is_built_and_exports_its_graph(fake_kind, tmp_path):
@@ -105,3 +108,11 @@ def test_a_new_kinds_module_adds_its_entry_when_the_bundle_is_built_and_exports_
     assert list(entry.files) == ["onnx/drafter.fake.fp32.onnx"]
     assert open(os.path.join(root, entry.files[0])).read() == "a graph"
     assert fake_kind.CALLS == [("add", "--fake", str(tmp_path / "heads")), ("graphs", ("fake",))]
+
+
+def test_the_kinds_modules_import_no_torch_so_the_cli_starts_without_it():
+    import subprocess
+
+    code = "import sys, export.drafters.registry; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ), timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
