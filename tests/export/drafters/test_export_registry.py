@@ -116,3 +116,9 @@ def test_the_kinds_modules_import_no_torch_so_the_cli_starts_without_it():
     code = "import sys, export.drafters.registry; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ), timeout=120)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_every_trainer_kind_is_trained_end_to_end_by_the_any_target_test():
+    from tests.export.drafters.test_any_target import KINDS
+
+    assert sorted(KINDS) == sorted(registry.trainers())
