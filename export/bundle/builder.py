@@ -1,6 +1,7 @@
-"""Write a runtime bundle from HF checkpoints: the target (+ its MTP module if it has one), an optional
-separate draft model, optional Medusa heads (`medusa` tree + `medusa_chain` drafters over one file), the n-gram
-drafter (no files), the tokenizer, the prompt format (export/bundle/prompts.py) and the generation defaults.
+"""Write a runtime bundle from HF checkpoints: the target (+ its MTP module if it has one), the drafters given by
+their flags (each added by its kind, export/drafters/kinds/<name>.py: a draft model, Medusa heads, EAGLE heads,
+DFlash drafters, an MTP module), the n-gram drafter (no files), the tokenizer, the prompt format
+(export/bundle/prompts.py) and the generation defaults.
 
 Nothing we did not write is ever deleted. The output directory must be new, empty, or an edgespec
 bundle holding only the files its manifest lists (replaced only with force=True); it may not be, hold
@@ -13,13 +14,14 @@ import re
 import shutil
 import tempfile
 from collections import Counter
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import yaml
 
 from export.bundle.hf_reader import read_hf_checkpoint
 from export.bundle.prompts import bundle_prompts
+from export.drafters import registry
 from runtime.model.bundle import MANIFEST, BundleWriter, current_umask
 from runtime.errors import BundleError
 from runtime.model.tensors import safetensors_dtypes, write_safetensors
@@ -133,13 +135,14 @@ def _publish(staged: str, out: str) -> None:
     shutil.rmtree(swap_in(staged, out))
 
 
-def external_mtp(mtp_dir: str, spec, own: Dict[str, np.ndarray], target_dir: str) -> Dict[str, np.ndarray]:
+def external_mtp(mtp_dir: str, spec, own: Mapping, target: str = "the target") -> Dict[str, np.ndarray]:
     """The MTP weights of `mtp_dir` (train-drafter mtp: model.layers.{N}.* keys, N = the target's layer count),
-    checked to sit after this target's layers. BundleError if the target has its own or they do not fit."""
+    checked to sit after this target's layers. BundleError if the target has its own (`own` not empty) or they do
+    not fit."""
     from export.bundle.hf_reader import read_weights
 
     if own:
-        raise BundleError(f"--mtp {mtp_dir}: the target {target_dir} has its own MTP module; give one or the other")
+        raise BundleError(f"--mtp {mtp_dir}: {target} has its own MTP module; give one or the other")
     weights = read_weights(mtp_dir)
     prefix = f"model.layers.{spec.num_layers}."
     stray = sorted(k for k in weights if not k.startswith(prefix))
@@ -156,23 +159,25 @@ def build_bundle(target_dir: str, out: str, draft_dir: Optional[str] = None, nam
                  default_drafter: Optional[str] = None, force: bool = False,
                  extend: Optional[Callable[[str], None]] = None, prompts: Optional[Dict[str, str]] = None,
                  report: Callable[[str], None] = lambda note: None, medusa: Optional[str] = None,
-                 dflash_dirs: Sequence[str] = (), mtp_dir: Optional[str] = None, flag: str = "--out") -> str:
+                 dflash_dirs: Sequence[str] = (), mtp_dir: Optional[str] = None, flag: str = "--out",
+                 drafters: Sequence[Tuple[str, str]] = ()) -> str:
     """Write `out` as a numpy_ref bundle; `extend(staged_dir)` may add other backends' files before the
     bundle is renamed into place. `prompts`: the user's prompt files (keyword arguments of
     export.bundle.prompts.bundle_prompts: prompts_file, chat_template_file, planner_file, action_file); `report`
-    receives a line saying where the prompt format came from; `medusa`: official Medusa heads to add;
-    `dflash_dirs`: official DFlash / DFlash-2 drafter directories (export/drafters/dflash.py), each a drafter
-    named by its kind; `mtp_dir`: an MTP module trained for a target without one (see `external_mtp`). Returns `out`. Refuses outputs per `check_output`."""
-    inputs = [d for d in (target_dir, draft_dir, medusa, mtp_dir) if d] + [f for f in (prompts or {}).values() if f] \
-        + list(dflash_dirs)
+    receives a line saying where the prompt format came from; `drafters`: (flag, path) pairs of `edgespec bundle`'s
+    drafter flags, each added by the kind declaring the flag (export/drafters/registry.py). `draft_dir`, `medusa`,
+    `dflash_dirs` and `mtp_dir` are short for ("--draft", DIR), ("--medusa", PATH), ("--dflash", DIR) each and
+    ("--mtp", DIR). Returns `out`. Refuses outputs per `check_output`."""
+    drafters = ([("--draft", draft_dir)] if draft_dir else []) + ([("--medusa", medusa)] if medusa else []) \
+        + [("--dflash", d) for d in dflash_dirs] + ([("--mtp", mtp_dir)] if mtp_dir else []) + list(drafters)
+    inputs = [target_dir] + [path for _, path in drafters] + [f for f in (prompts or {}).values() if f]
     check_output(out, inputs, force, flag)
     name = name or os.path.basename(os.path.normpath(os.path.abspath(out)))
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     staged = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.partial-", dir=parent)
     try:
-        _write_bundle(target_dir, staged, draft_dir, name, default_drafter, prompts or {}, report, medusa, dflash_dirs,
-                      mtp_dir)
+        _write_bundle(target_dir, staged, name, default_drafter, prompts or {}, report, drafters)
         if extend is not None:
             extend(staged)
         # mkdtemp makes it private; a bundle is read by other users (the ROS node): the mode mkdir would give
@@ -184,9 +189,8 @@ def build_bundle(target_dir: str, out: str, draft_dir: Optional[str] = None, nam
     return out
 
 
-def _write_bundle(target_dir: str, out: str, draft_dir: Optional[str], name: str,
-                  default_drafter: Optional[str], prompts: Dict[str, str], report: Callable[[str], None],
-                  medusa: Optional[str] = None, dflash_dirs: Sequence[str] = (), mtp_dir: Optional[str] = None) -> None:
+def _write_bundle(target_dir: str, out: str, name: str, default_drafter: Optional[str], prompts: Dict[str, str],
+                  report: Callable[[str], None], drafters: Sequence[Tuple[str, str]] = ()) -> None:
     target = read_hf_checkpoint(target_dir)
     if target.tokenizer_file is None:
         raise BundleError(f"{target_dir}: no tokenizer.json; the bundle needs the tokenizer the model was trained with")
@@ -197,39 +201,36 @@ def _write_bundle(target_dir: str, out: str, draft_dir: Optional[str], name: str
     w.set_prompts(fmt)
     spec = target.spec
     body, mtp = split_mtp(target.weights, spec.num_layers)
-    if mtp_dir:
-        mtp = external_mtp(mtp_dir, spec, mtp, target_dir)
     w.set_target(spec)
     bf16 = target.bf16_names  # kept as bf16, bit for bit: never silently widened to twice the bytes
     write_safetensors(w.path("target/model.safetensors"), body, bf16=[n for n in bf16 if n in body])
     w.add_target_backend("numpy_ref", ["target/model.safetensors"])
     shutil.copyfile(target.tokenizer_file, w.path("tokenizer.json"))
     w.set_tokenizer("tokenizer.json")
-    w.add_drafter("ngram", "ngram", params={"max_n": 3, "min_n": 1})
-    if mtp:
-        layout, modules = mtp_layout(mtp, spec.num_layers)
-        write_safetensors(w.path("mtp/mtp.safetensors"), mtp, bf16=[n for n in bf16 if n in mtp])
-        w.add_drafter("mtp", "mtp", files=["mtp/mtp.safetensors"],
-                      params={"num_modules": modules, "first_layer_index": spec.num_layers, "layout": layout},
-                      target_taps=[f"layer_out.{spec.num_layers - 1}"])
-    if medusa:
-        from export.drafters.medusa import add_medusa_to_bundle
-
-        add_medusa_to_bundle(w, medusa, spec)
-    chosen = default_drafter or "ngram"
-    if draft_dir:
-        add_draft_model(w, draft_dir, spec)
-        chosen = default_drafter or "draft_model"
-    for path in dflash_dirs:
-        from export.drafters.dflash import add_dflash_drafter  # torch-free, but only bundles with DFlash need it
-
-        add_dflash_drafter(w, path, spec)
+    for ex in registry.EXPORTS:
+        if ex.always is not None:
+            ex.always(w, spec)
+    if mtp:  # the target's own MTP module (one given with --mtp is added as the other drafters are)
+        add_mtp_weights(w, mtp, spec, bf16=[n for n in bf16 if n in mtp])
+    added = registry.add_given(w, drafters, spec)
+    preferred = [n for n in added if w.manifest["drafters"][n]["kind"] in
+                 {k for ex in registry.EXPORTS if ex.default for k in ex.kinds}]
+    chosen = default_drafter or (preferred[0] if preferred else "ngram")
     if chosen not in w.manifest["drafters"] and chosen != "none":
         raise BundleError(f"--default-drafter {chosen!r}: this bundle has drafters {sorted(w.manifest['drafters'])} "
                           "(or 'none')")
     w.manifest["default_drafter"] = chosen
     w.set_generation(max_tokens=128, temperature=0.0)
     w.write()
+
+
+def add_mtp_weights(w: BundleWriter, mtp: Dict[str, np.ndarray], spec, bf16: Sequence[str] = ()) -> None:
+    """Write MTP modules (`split_mtp`'s, or `external_mtp`'s) into the bundle being written as the drafter `mtp`."""
+    layout, modules = mtp_layout(mtp, spec.num_layers)
+    write_safetensors(w.path("mtp/mtp.safetensors"), mtp, bf16=list(bf16))
+    w.add_drafter("mtp", "mtp", files=["mtp/mtp.safetensors"],
+                  params={"num_modules": modules, "first_layer_index": spec.num_layers, "layout": layout},
+                  target_taps=[f"layer_out.{spec.num_layers - 1}"])
 
 
 def add_draft_model(w: BundleWriter, draft_dir: str, spec, name: str = "draft_model") -> str:

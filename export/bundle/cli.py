@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from export.drafters import registry
 from runtime.errors import ConfigError
 
 HELP = """Build a bundle from HF model directories (config.json + safetensors; Llama, Qwen2 or Qwen3).
@@ -44,19 +45,7 @@ def register(sub) -> None:
                                       "remove-drafter, set-prompts)",
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", metavar="DIR", help="HF directory of the target model (required to build)")
-    p.add_argument("--draft", metavar="DIR", help="HF directory of a separate draft model (same tokenizer)")
-    p.add_argument("--medusa", metavar="PATH",
-                   help="Medusa heads for the target: a Medusa-1 head file (medusa_lm_head.safetensors, or .pt read "
-                        "with weights_only), its directory, or a Medusa-2 checkpoint (heads under medusa_head.); "
-                        "adds the drafters medusa (a tree) and medusa_chain")
-    p.add_argument("--eagle", metavar="DIR", help="an EAGLE-1 head (config.json + model.safetensors; official, vLLM "
-                                                  "or speculators layout): drafters eagle and eagle2")
-    p.add_argument("--mtp", metavar="DIR", help="an MTP module trained for a target that has none (`edgespec train-drafter "
-                   "mtp --target DIR --out DIR`: model.safetensors with DeepSeek-V3 keys model.layers.N.*): the `mtp` drafter")
-    p.add_argument("--eagle3", metavar="DIR", help="an EAGLE-3 head (same layouts): drafters eagle3 and eagle3_chain")
-    p.add_argument("--dflash", action="append", default=[], metavar="DIR",
-                   help="official DFlash or DFlash-2 drafter directory (z-lab layout); repeatable, one of each kind; "
-                        "one drafter <kind>_b<size> more per smaller block in dflash_config.trained_block_sizes")
+    registry.add_arguments(p)  # every drafter kind's flags (export/drafters/kinds/<name>.py)
     p.add_argument("--out", metavar="DIR",
                    help="bundle directory to write: new or empty (an existing bundle is replaced only with "
                         "--force; a directory holding anything else is refused); never an input or inside one")
@@ -73,19 +62,14 @@ def register(sub) -> None:
     edits = p.add_subparsers(dest="edit", metavar="{add-drafter,remove-drafter,set-prompts}",
                              title="edit an existing bundle (keeping its exports)")
     add = edits.add_parser("add-drafter", help="add drafters, exporting only their graphs",
-                           description="Add drafters to a bundle, as `edgespec bundle` names them (--eagle: eagle and "
-                                       "eagle2, --eagle3: eagle3 and eagle3_chain, --medusa: medusa and medusa_chain, "
-                                       "--draft: draft_model, --dflash: its kind). Only their graphs are exported: an "
+                           description="Add drafters to a bundle, as `edgespec bundle` names them (each flag below "
+                                       "says which drafters it adds). Only their graphs are exported: an "
                                        "ONNX graph per new head / draft model beside the kept target graph, a GGUF per "
                                        "quant for a draft model; the target graph is exported again only when a new "
                                        "drafter reads a hidden state it lacks. " + EDIT_HELP,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     add.add_argument("--bundle", required=True, metavar="DIR", help="the bundle to change")
-    add.add_argument("--eagle", metavar="DIR", help="an EAGLE-1 head: drafters eagle and eagle2")
-    add.add_argument("--eagle3", metavar="DIR", help="an EAGLE-3 head: drafters eagle3 and eagle3_chain")
-    add.add_argument("--medusa", metavar="PATH", help="Medusa heads (as `edgespec bundle --medusa`)")
-    add.add_argument("--draft", metavar="DIR", help="HF directory of a separate draft model (same tokenizer)")
-    add.add_argument("--dflash", action="append", default=[], metavar="DIR", help="a DFlash / DFlash-2 drafter")
+    registry.add_arguments(add)
     add.add_argument("--no-validate", action="store_true",
                      help="skip the comparison of the new graphs against the numpy reference")
     add.set_defaults(func=run_add_drafter)
@@ -125,8 +109,7 @@ def _prompt_files(args) -> dict:
 def run_add_drafter(args) -> int:
     from export.bundle.edit import add_drafters
 
-    added = add_drafters(args.bundle, eagle=args.eagle, eagle3=args.eagle3, medusa=args.medusa, draft=args.draft,
-                         dflash=args.dflash, validate=not args.no_validate)
+    added = add_drafters(args.bundle, registry.given(args), validate=not args.no_validate)
     print(f"bundle: {args.bundle} ready; drafters added: {', '.join(added)}")
     return 0
 
@@ -162,13 +145,6 @@ def run(args) -> int:
 
     def add_backends(staged: str) -> None:
         print(f"bundle: wrote the numpy_ref bundle in {time.perf_counter() - t0:.1f} s")
-        if args.eagle or args.eagle3:  # before the ONNX export, so that the graph outputs the taps they read
-            from export.drafters.eagle import ZOO_TREE, add_eagle_to_bundle
-
-            if args.eagle:
-                add_eagle_to_bundle(staged, args.eagle, "eagle", drafters={"eagle": None, "eagle2": ZOO_TREE})
-            if args.eagle3:
-                add_eagle_to_bundle(staged, args.eagle3, "eagle3", drafters={"eagle3": ZOO_TREE, "eagle3_chain": None})
         if "onnx" in backends:
             from export.onnx.bundle import add_onnx_to_bundle
 
@@ -177,9 +153,9 @@ def run(args) -> int:
             print(f"bundle: added {', '.join(files)} in {time.perf_counter() - t1:.1f} s")
 
     prompts = _prompt_files(args)
-    out = build_bundle(args.target, args.out, args.draft, default_drafter=args.default_drafter, force=args.force,
+    out = build_bundle(args.target, args.out, default_drafter=args.default_drafter, force=args.force,
                        extend=add_backends, prompts={k: v for k, v in prompts.items() if v}, report=print,
-                       medusa=args.medusa, dflash_dirs=args.dflash, mtp_dir=args.mtp)
+                       drafters=registry.given(args))
     print(f"bundle: {out} ready ({', '.join(sorted(set(backends) | {'numpy_ref'}))}); tensor dtypes as stored:")
     for line in dtype_summary(out):
         print(f"  {line}")

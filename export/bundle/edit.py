@@ -20,9 +20,10 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, TypeVar
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar
 
 from export.bundle.builder import swap_in
+from export.drafters import registry
 from runtime.errors import BundleError, ConfigError
 from runtime.model import bundle as bundle_io
 from runtime.model.bundle import MANIFEST, BundleWriter, gguf_entries
@@ -74,41 +75,22 @@ def _swap(staged: str, real: str, copied: Set[str]) -> None:
 
 # -- add-drafter -------------------------------------------------------------------------------------
 
-def add_drafters(bundle_dir: str, eagle: Optional[str] = None, eagle3: Optional[str] = None,
-                 medusa: Optional[str] = None, draft: Optional[str] = None, dflash: Sequence[str] = (),
-                 validate: bool = True, report: Report = print) -> List[str]:
-    """Add drafters to a bundle as `edgespec bundle --eagle/--eagle3/--medusa/--draft/--dflash` names them and
-    export only their graphs (module doc). Returns the drafter names added."""
-    if not any((eagle, eagle3, medusa, draft, *dflash)):
-        raise ConfigError("add-drafter: name the drafter to add: --eagle DIR, --eagle3 DIR, --medusa PATH, "
-                          "--draft DIR or --dflash DIR")
+def add_drafters(bundle_dir: str, drafters: Sequence[Tuple[str, str]] = (), validate: bool = True,
+                 report: Report = print, **paths: Optional[str]) -> List[str]:
+    """Add drafters to a bundle as `edgespec bundle`'s drafter flags name them and export only their graphs (module
+    doc). `drafters`: (flag, path) pairs; `paths`: the same by the flag's name (eagle3=DIR, dflash=[DIR, ...]).
+    Returns the drafter names added."""
+    drafters = list(drafters) + [(f"--{key.replace('_', '-')}", p) for key, value in paths.items()
+                                 for p in (value if isinstance(value, (list, tuple)) else [value]) if p]
+    if not drafters:
+        raise ConfigError("add-drafter: name the drafter to add: "
+                          + ", ".join(f"{f.name} {f.metavar}" for _, f in registry.flags()))
 
     def change(root: str) -> List[str]:
-        from export.bundle.builder import add_draft_model
-        from export.drafters.eagle import ZOO_TREE, add_eagle_to_bundle
-
         before = bundle_io.load(root)
-        if eagle:
-            add_eagle_to_bundle(root, eagle, "eagle", drafters={"eagle": None, "eagle2": ZOO_TREE})
-        if eagle3:
-            add_eagle_to_bundle(root, eagle3, "eagle3", drafters={"eagle3": ZOO_TREE, "eagle3_chain": None})
-        if medusa or draft or dflash:
-            w = BundleWriter.extend(root)
-            if medusa:
-                from export.drafters.medusa import add_medusa_to_bundle
-
-                taken = [n for n in ("medusa", "medusa_chain") if n in w.manifest["drafters"]]
-                if taken:
-                    raise BundleError(f"{bundle_dir}: already has a drafter {taken[0]!r}; remove it first "
-                                      f"(`edgespec bundle remove-drafter --bundle {bundle_dir} medusa medusa_chain`)")
-                add_medusa_to_bundle(w, medusa, before.target.spec)
-            if draft:
-                add_draft_model(w, draft, before.target.spec)
-            for path in dflash:
-                from export.drafters.dflash import add_dflash_drafter
-
-                add_dflash_drafter(w, path, before.target.spec)
-            w.write()
+        w = BundleWriter.extend(root)
+        registry.add_given(w, drafters, before.target.spec)
+        w.write()
         after = bundle_io.load(root, verify_checksums=False)
         new = [n for n in after.drafters if n not in before.drafters]
         report(f"bundle: added drafters {', '.join(new)}")
@@ -145,7 +127,7 @@ def _export_new_drafters(root: str, before, after, new: List[str], validate: boo
                                        accuracy_level=e.params.get("accuracy_level"))
             _drop_backend(root, "tensorrt", report, f"they were built from the old ONNX graphs; rebuild them on the "
                                                     f"device with `edgespec export --to tensorrt --bundle {root}`")
-    drafts = [n for n in new if after.drafters[n].kind == "draft_model"]
+    drafts = [n for n in new if registry.is_decoder(after.drafters[n].kind)]
     for quant in gguf_entries(before.target.backends) if drafts else ():
         from export.gguf.writer import add_gguf_to_bundle
 

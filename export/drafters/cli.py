@@ -66,14 +66,17 @@ the target's family on [emb(x_t+1), h_t], the target's head), written with the k
 to the target's bundle with `edgespec bundle --target DIR --mtp OUT --out BUNDLE`.
 """
 
-KINDS = ("medusa", "eagle1", "eagle3", "dflash", "dflash2", "mtp")
+from export.drafters import registry
+
+KINDS = tuple(registry.trainers())  # every kind's trainer (export/drafters/kinds/<name>.py)
 
 
 def register(sub) -> None:
-    p = sub.add_parser("train-drafter", help=f"distil a drafter ({', '.join(KINDS)}) from a target with the shared "
+    kinds = tuple(registry.trainers())  # read here, so that a kind's module is all it takes
+    p = sub.add_parser("train-drafter", help=f"distil a drafter ({', '.join(kinds)}) from a target with the shared "
                                              "trainer",
                        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("kind", choices=KINDS, help="the drafter kind to train")
+    p.add_argument("kind", choices=kinds, help="the drafter kind to train")
     p.add_argument("--target", required=True, metavar="DIR", help="the target's HF directory (e.g. zoo/target)")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="where the drafter is written in its official layout (medusa: medusa_lm_head.safetensors "
@@ -84,7 +87,6 @@ def register(sub) -> None:
                    help="write the drafter from the checkpoint in --work as it stands, train no step (with the "
                         "run's own settings; the run may go on meanwhile and later with --resume)")
     p.add_argument("--force", action="store_true", help="replace the drafter files already in --out")
-    p.add_argument("--heads", type=int, default=4, help="medusa: number of heads, 1..16 (default 4)")
     p.add_argument("--layers", type=int, default=1,
                    help="medusa: ResBlocks per head, 0..8; dflash: draft layers, 1..8 (default 1)")
     p.add_argument("--steps", type=int, help="optimiser steps at most (default 600; with --until-plateau: no cap)")
@@ -125,14 +127,10 @@ def register(sub) -> None:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per row (default 256)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     p.add_argument("--seed", type=int, default=7, help="data and batch-order seed (default 7)")
-    p.add_argument("--tree-nodes", type=int, default=32,
-                   help="medusa: nodes at most of the tree tuned on the trained heads (default 32; 0 = no tree)")
     p.add_argument("--threads", type=int, default=2, help="torch threads over all processes (default 2)")
-    p.add_argument("--unroll", type=int, default=4, help="eagle: training-time-test steps (default 4; official 7)")
-    p.add_argument("--block-sizes", default="8,16",
-                   help="dflash: block lengths trained, the largest is the config's block_size (default 8,16)")
-    p.add_argument("--anchors", type=int, default=32, help="dflash: blocks trained per row (default 32)")
-    p.add_argument("--selector-rank", type=int, default=64, help="dflash2: candidate selector rank (default 64)")
+    for ex in registry.EXPORTS:  # each kind's own training flags
+        if ex.train_arguments is not None:
+            ex.train_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -144,15 +142,12 @@ def _check(args) -> None:
     if args.minutes is None:
         args.minutes = 1e9 if args.until_plateau else 10.0
     args.gen_tokens = args.gen_tokens or args.seq_len
-    for flag, value, lo, hi in (("--heads", args.heads, 1, 16), ("--layers", args.layers, 0, 8),
-                                ("--steps", args.steps, 1, 10**7), ("--batch", args.batch, 1, 4096),
-                                ("--seq-len", args.seq_len, 8, 1 << 16), ("--tree-nodes", args.tree_nodes, 0, 256),
-                                ("--threads", args.threads, 1, 256), ("--patience", args.patience, 1, 1000),
-                                ("--eval-every", args.eval_every, 1, 10**7), ("--eval-rows", args.eval_rows, 1, 10**6),
-                                ("--samples", args.samples, 1, 64), ("--gen-tokens", args.gen_tokens, 1, 1 << 16),
-                                ("--top-k", args.top_k, 0, 1 << 20), ("--cache-rows", args.cache_rows, 1, 10**8)):
-        if not lo <= value <= hi:
-            raise ConfigError(f"{flag}: got {value}, expected {lo}..{hi}")
+    registry.check_ranges((("--layers", args.layers, 0, 8), ("--steps", args.steps, 1, 10**7),
+                           ("--batch", args.batch, 1, 4096), ("--seq-len", args.seq_len, 8, 1 << 16),
+                           ("--threads", args.threads, 1, 256), ("--patience", args.patience, 1, 1000),
+                           ("--eval-every", args.eval_every, 1, 10**7), ("--eval-rows", args.eval_rows, 1, 10**6),
+                           ("--samples", args.samples, 1, 64), ("--gen-tokens", args.gen_tokens, 1, 1 << 16),
+                           ("--top-k", args.top_k, 0, 1 << 20), ("--cache-rows", args.cache_rows, 1, 10**8)))
     if args.zoo_examples is not None and not 10 <= args.zoo_examples <= 10**7:
         raise ConfigError(f"--zoo-examples: got {args.zoo_examples}, expected 10..10000000")
     from export.drafters.data import DOMAINS
@@ -164,20 +159,9 @@ def _check(args) -> None:
     args.zoo_domains = domains
     if args.top_k == 0 and not args.no_cache:
         raise ConfigError("--top-k 0 (the whole distribution) is for --no-cache runs; the cache keeps the top k")
-    if args.kind.startswith("dflash"):
-        try:
-            sizes = sorted({int(x) for x in args.block_sizes.split(",") if x.strip()})
-        except ValueError:
-            sizes = []
-        if not sizes or not all(2 <= b <= 64 for b in sizes):
-            raise ConfigError(f"--block-sizes: got {args.block_sizes!r}, expected comma-separated block lengths 2..64")
-        args.block_sizes = sizes
-        for flag, value, lo, hi in (("--layers", args.layers, 1, 8), ("--anchors", args.anchors, 1, 4096),
-                                    ("--selector-rank", args.selector_rank, 1, 4096)):
-            if not lo <= value <= hi:
-                raise ConfigError(f"{flag}: got {value}, expected {lo}..{hi}")
-    if not 1 <= args.unroll <= 16:
-        raise ConfigError(f"--unroll: got {args.unroll}, expected 1..16")
+    trainer = registry.trainers()[args.kind]
+    if trainer.check is not None:
+        trainer.check(args)
     if not args.minutes > 0 or not args.lr > 0:
         raise ConfigError(f"--minutes and --lr must be > 0, got {args.minutes} and {args.lr}")
     if not os.path.isfile(os.path.join(args.target, "config.json")):
@@ -191,10 +175,7 @@ def _check(args) -> None:
     ckpt = os.path.join(args.work or os.path.join("build", "train-drafter", args.kind), "ckpt.pt")
     if args.snapshot and not os.path.isfile(ckpt):
         raise ConfigError(f"--snapshot: {ckpt}: no checkpoint there; give the run's --work (it trains first)")
-    from export.drafters.medusa import HEAD_FILE
-
-    files = (HEAD_FILE, "config.json") if args.kind == "medusa" else ("model.safetensors", "config.json")
-    taken = [n for n in files if os.path.exists(os.path.join(args.out, n))]
+    taken = [n for n in trainer.out_files if os.path.exists(os.path.join(args.out, n))]
     if taken and not args.force:
         raise ConfigError(f"--out {args.out} already holds {', '.join(taken)}; pass --force to replace them")
 
@@ -246,9 +227,8 @@ def run(args) -> int:
         return 0
     say(f"{args.kind}: stopped at step {result.steps} ({result.stopped}) after {result.seconds / 60:.1f} min; "
         f"held-out curve in {os.path.join(work, 'curve.json')}")
-    extra = {}
-    if args.kind == "medusa":
-        extra = _medusa_config(args, task, target, heldout, say)
+    config = registry.trainers()[args.kind].config
+    extra = config(args, task, target, heldout, say) if config is not None else {}
     return _export_trained(args, task, result, say, extra)
 
 
@@ -271,47 +251,12 @@ def _data(args, cfg, target, cache_dir, dist, say):
 
 
 def _task(args, target, say, cfg):
-    if args.kind == "medusa":
-        from export.drafters.medusa import medusa_task
-
-        task = medusa_task(target, args.heads, args.layers)
-        shape = f"{args.heads} heads x {args.layers} ResBlocks"
-    elif args.kind.startswith("eagle"):
-        from export.drafters.eagle_train import EagleTask
-
-        task = EagleTask("eagle" if args.kind == "eagle1" else "eagle3", target, unroll=args.unroll)
-        shape = f"one layer, training-time test over {args.unroll} steps"
-    elif args.kind == "mtp":
-        from export.drafters.mtp_train import MTPTask
-
-        task = MTPTask(target)
-        shape = f"one DeepSeek-V3-style module (a {target.cfg.family} layer) reading {task.taps[0]}"
-    else:
-        from export.drafters.dflash_train import DFlashTask
-
-        task = DFlashTask(args.kind, target, layers=args.layers, block_size=max(args.block_sizes),
-                          block_sizes=args.block_sizes, anchors=args.anchors, mask_token_id=_mask_token(args.target),
-                          selector_rank=args.selector_rank)
-        shape = (f"{args.layers} layers reading {', '.join(task.taps)}, blocks of "
-                 f"{'/'.join(map(str, task.block_sizes))}, {args.anchors} per row")
+    task, shape = registry.trainers()[args.kind].task(args, target)
     params = sum(p.numel() for p in task.parameters() if p.requires_grad) / 1e6
     until = "until held-out tau plateaus" if cfg.until_plateau else f"up to {cfg.steps} steps or {args.minutes:g} min"
     say(f"{args.kind}: {shape} ({params:.2f} M params) on {args.target}; {until}, {cfg.batch}x{cfg.seq_len} tokens "
         "a step")
     return task
-
-
-def _mask_token(target_dir: str) -> int:
-    """DFlash's mask token: the zoo's PAD, else the model's pad token, else id 0."""
-    from export.bundle.hf_reader import read_hf_prompts
-    from runtime.text.prompts import PAD
-    from runtime.text.tokenizer import Tokenizer
-
-    tok = Tokenizer(os.path.join(target_dir, "tokenizer.json"))
-    for name in (PAD, read_hf_prompts(target_dir, tok).special_tokens.get("pad_token")):
-        if name and tok.token_to_id(name) is not None:
-            return tok.token_to_id(name)
-    return 0
 
 
 def _sources(args, cfg, target, task, data, cache_dir, dist, say):
@@ -337,26 +282,6 @@ def _sources(args, cfg, target, task, data, cache_dir, dist, say):
     held = heldout_batches(cache(cache_rows(data, cfg, args.eval_rows, split="heldout")), task.taps,
                            cfg.batch, dist.device) if has_heldout else []
     return CachedSource(train_cache, cfg, task.taps, dist.device), held
-
-
-def _medusa_config(args, task, target, heldout, say) -> dict:
-    """The medusa config keys: the heads' shape, and the tree tuned on held-out accuracies."""
-    from export.drafters.medusa import accuracy_report, measure_accuracy, top_k_accuracy, tune_tree
-
-    config = {"medusa_num_heads": args.heads, "medusa_num_layers": args.layers,
-              "hidden_size": target.cfg.hidden_size, "vocab_size": target.cfg.vocab_size}
-    if args.tree_nodes and heldout:
-        acc = measure_accuracy(task, heldout)
-        choices, tau = tune_tree(acc, args.tree_nodes)
-        say("accuracy per head on held-out batches (top-k: the target's token among the head's k best; "
-            "rank-i: it is the head's i-th candidate, what the tree search weighs): "
-            + "; ".join(accuracy_report(acc)))
-        say(f"tuned tree: {len(choices)} nodes, expected tau {tau:.2f} (greedy, independence assumed)")
-        config["medusa_choices"] = choices
-        config["tree_tuning"] = {"accuracy_by_rank": [[round(float(a), 4) for a in row[:5]] for row in acc],
-                                 "top_k_accuracy": [[round(float(a), 4) for a in row[:5]] for row in top_k_accuracy(acc)],
-                                 "expected_tau": round(tau, 3), "max_nodes": args.tree_nodes}
-    return config
 
 
 def _export_trained(args, task, result, log, extra=None) -> int:

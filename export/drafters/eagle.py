@@ -307,12 +307,21 @@ def add_eagle_to_bundle(bundle_dir: str, checkpoint: str, kind: str = "auto", na
     (total_tokens, depth, top_k) or None for chains; all share one weight file. Default: {name or the
     head's kind: tree}. Returns the drafter names added."""
     bundle = load_bundle(bundle_dir)
-    head = load_eagle(checkpoint, bundle.target.spec, kind)
+    writer = BundleWriter.extend(bundle_dir)
+    added = add_eagle_head(writer, checkpoint, bundle.target.spec, kind, name, fp16, tree, drafters)
+    writer.write()
+    return added
+
+
+def add_eagle_head(writer: BundleWriter, checkpoint: str, spec, kind: str = "auto", name: Optional[str] = None,
+                   fp16: bool = False, tree: Optional[Dict[str, int]] = None,
+                   drafters: Optional[Dict[str, Optional[Dict[str, int]]]] = None) -> List[str]:
+    """`add_eagle_to_bundle` into a bundle being written by `writer` (its target's spec `spec`); the caller writes."""
+    head = load_eagle(checkpoint, spec, kind)
     drafters = drafters or {name or head.kind: tree}
     for n in drafters:
-        if n in bundle.drafters:
-            raise BundleError(f"{bundle_dir}: already has a drafter {n!r}; choose another name")
-    writer = BundleWriter.extend(bundle_dir)
+        if n in writer.manifest["drafters"]:
+            raise BundleError(f"{writer.root}: already has a drafter {n!r}; choose another name")
     rel = f"{head.kind}/{head.kind}.safetensors"
     if os.path.exists(writer.path(rel)):
         rel = f"{next(iter(drafters))}/{head.kind}.safetensors"
@@ -321,5 +330,4 @@ def add_eagle_to_bundle(bundle_dir: str, checkpoint: str, kind: str = "auto", na
     for n, t in drafters.items():
         params = dict(head.params, **({"tree": dict(t)} if t else {}))
         writer.add_drafter(n, head.kind, files=[rel], params=params, target_taps=head.target_taps, spec=head.spec)
-    writer.write()
     return list(drafters)

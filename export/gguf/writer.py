@@ -28,6 +28,7 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from export.drafters import registry
 from runtime.model import bundle as bundle_mod
 from runtime.backends import llamacpp as llamacpp_backend
 from runtime.backends.numpy_ref import load_float32, required_weight_names
@@ -254,7 +255,7 @@ def add_gguf_to_bundle(bundle_dir: str, quant: str = "f16", force: bool = False,
         raise BundleError(f"{bundle_dir}: the numpy_ref target lists no .safetensors files to export from")
     models = [] if only is not None else [("target", b.target.spec, weights, f"gguf/target.{quant}.gguf")]
     for name, d in b.drafters.items():
-        if d.kind == "draft_model" and d.spec is not None and (only is None or name in only):
+        if registry.is_decoder(d.kind) and d.spec is not None and (only is None or name in only):
             dw = _safetensors_weights(b, d.files)
             if dw:
                 models.append((name, d.spec, dw, f"gguf/drafter.{name}.{quant}.gguf"))

@@ -1,7 +1,8 @@
 """`edgespec export --to onnx` for a whole bundle: the target graph (each precision), the draft model's graph and
 every drafter's own graphs (MTP modules, Medusa heads, EAGLE steps, DFlash blocks), each checked against the numpy
 reference, staged and then sealed into the manifest atomically. The graph library it builds with is
-export/onnx/graph.py; the drafter graphs live with their drafters (export/drafters/*_onnx.py)."""
+export/onnx/graph.py; the drafter graphs live with their drafters (export/drafters/*_onnx.py), each kind's export
+reached through export/drafters/registry.py."""
 from __future__ import annotations
 
 import os
@@ -10,9 +11,7 @@ import tempfile
 from dataclasses import replace
 from typing import Collection, Mapping, Optional, Sequence, Tuple
 
-from export.drafters import dflash_onnx, eagle_onnx
-from export.drafters.medusa_onnx import export_medusa_graphs
-from export.drafters.mtp_onnx import export_bundle_mtp
+from export.drafters import registry
 from export.onnx.graph import (KV_LAYOUTS, check_against_reference, export_decoder_onnx, safetensors_weights,
                                share_initializers, validate_onnx)
 from export.onnx.kstep import export_and_check_kstep, kstep_rel
@@ -74,8 +73,8 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
         graphs = []
         b = replace(b, drafters={n: d for n, d in b.drafters.items() if n in only})  # the drafters to export
     for name, d in b.drafters.items():
-        if quantised or d.kind != "draft_model" or d.spec is None:
-            continue  # MTP, Medusa, EAGLE and DFlash graphs: their own exporters, below
+        if quantised or not registry.is_decoder(d.kind) or d.spec is None:
+            continue  # the other kinds' graphs: their own exporters (export/drafters/kinds/), below
         dw = safetensors_weights(b, d.files)
         if dw:
             graphs.append((name, f"onnx/drafter.{name}.{precision}.onnx", d.spec, dw, ()))
@@ -84,8 +83,6 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
         label: (kstep_rel(label, precision, int(b.drafters[label].params.get("num_tokens", 4))),
                 int(b.drafters[label].params.get("num_tokens", 4))) for label, *_ in graphs if label != "target"}
 
-    heads = {} if quantised else eagle_onnx.bundle_heads(b, weights)  # EAGLE steps: export/drafters/eagle_onnx.py
-    blocks = {} if quantised else dflash_onnx.bundle_graphs(b)  # DFlash block forwards: export/drafters/dflash_onnx.py
     writer = bundle_mod.BundleWriter.extend(bundle_dir)  # reads (and checks) the manifest before any file changes
     staging = tempfile.mkdtemp(prefix=".onnx-export-", dir=bundle_dir)
     try:
@@ -112,25 +109,9 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
                 export_and_check_kstep(spec, w, os.path.join(staging, os.path.basename(krel)), steps, precision, staged,
                                        f"{bundle_dir}/{krel} ({label})", validate)
         target_graph = os.path.join(staging, os.path.basename(rel))
-        # Drafter graphs other than draft models: (drafter, files, params) each, written into staging and checked.
-        extra = [] if quantised else [  # MTP modules: their own graphs (export/drafters/mtp_onnx.py)
-            (m.name, m.files, m.params) for m in (
-                export_bundle_mtp(b, name, d, weights, staging, target_graph, precision, validate,
-                                  safetensors_weights(b, d.files))
-                for name, d in b.drafters.items() if d.kind == "mtp")]
-        extra += [(name, [grel, grel + ".data"], params)  # medusa and medusa_chain share one graph; fp32 only
-                  for name, grel, params in export_medusa_graphs(b, staging, precision, validate)]
-        for name, (drafter, users) in heads.items():  # one EAGLE step graph, recorded for each drafter using it
-            grel = f"onnx/drafter.{name}.fp32.onnx"
-            staged = os.path.join(staging, os.path.basename(grel))
-            eagle_onnx.export_and_check(drafter, staged, f"{bundle_dir}/{grel}", validate)
-            share_initializers(staged, target_graph)  # the target's embedding/head
-            extra += [(user, [grel, grel + ".data"], eagle_onnx.graph_params(drafter)) for user in users]
-        for name, (args, users) in blocks.items():  # one DFlash block graph, recorded for each drafter using it
-            grel = f"onnx/drafter.{name}.fp32.onnx"
-            dflash_onnx.export_and_check(*args, os.path.join(staging, os.path.basename(grel)), f"{bundle_dir}/{grel}",
-                                         *dflash_onnx.embed_and_head(weights), validate=validate)
-            extra += [(user, [grel, grel + ".data"], {"precision": "fp32", "graph": "dflash_block"}) for user in users]
+        # Every other drafter graph (drafter, files, params), by its kind's exporter, written into staging and checked
+        extra = [] if quantised else registry.graphs(
+            registry.GraphJob(b, staging, target_graph, weights, precision, validate))
         os.makedirs(os.path.join(bundle_dir, "onnx"), exist_ok=True)
         moved = {grel + suffix for _, grel, *_ in graphs for suffix in ("", ".data")} | {f for e in extra for f in e[1]}
         moved |= {krel + suffix for krel, _ in ksteps.values() for suffix in ("", ".data")}

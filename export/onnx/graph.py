@@ -155,6 +155,22 @@ class DecoderGraph(nn.Module):
         attention "gqa": `bias` is the mask as GroupQueryAttention's attention_bias (1, 1, T, P+T) and the
         K/V returned are the op's present buffers (1, nkv, M, d)."""
         s = self.spec
+        nh, nkv, d = s.num_heads, s.num_kv_heads, s.head_dim
+        t = x.shape[0]
+        q, k, v = self.attention_inputs(p, x, cos, sin)
+        if self.attention == "gqa":
+            out, k, v = torch.ops.edgespec.gqa(q.reshape(1, t, nh * d), k.reshape(1, t, nkv * d),
+                                               v.reshape(1, t, nkv * d), past_k, past_v, bias, nh, nkv)
+            attn = out.reshape(t, nh * d)
+        else:
+            attn = self._attention(q, k, v, past_k, past_v, mask)
+        return self.after_attention(p, x, attn), k, v
+
+    def attention_inputs(self, p: str, x, cos, sin):
+        """A decoder layer's opening on x (T, H): input norm, Q/K/V projections, Q/K norms (Qwen3), rotary at the
+        rows' positions -> q (T, nh, d), k, v (T, nkv, d). Every graph of a decoder layer starts so (the K-step
+        graph's too, export/onnx/kstep.py), so that they all compute the numpy reference's layer."""
+        s = self.spec
         nh, nkv, d, eps = s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps
         t = x.shape[0]
         h = rms_norm(x, self.w(p + "input_layernorm.weight"), eps)
@@ -164,18 +180,14 @@ class DecoderGraph(nn.Module):
         if s.qk_norm:
             q = rms_norm(q, self.w(p + "self_attn.q_norm.weight"), eps)
             k = rms_norm(k, self.w(p + "self_attn.k_norm.weight"), eps)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        if self.attention == "gqa":
-            out, k, v = torch.ops.edgespec.gqa(q.reshape(1, t, nh * d), k.reshape(1, t, nkv * d),
-                                               v.reshape(1, t, nkv * d), past_k, past_v, bias, nh, nkv)
-            attn = out.reshape(t, nh * d)
-        else:
-            attn = self._attention(q, k, v, past_k, past_v, mask)
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def after_attention(self, p: str, x, attn):
+        """A decoder layer's close: x (T, H) + o_proj(attn (T, nh*d)), then the post-attention norm's SwiGLU MLP."""
         x = x + self._linear(attn, p + "self_attn.o_proj")
-        h = rms_norm(x, self.w(p + "post_attention_layernorm.weight"), eps)
+        h = rms_norm(x, self.w(p + "post_attention_layernorm.weight"), self.spec.rms_norm_eps)
         gate = self._linear(h, p + "mlp.gate_proj")
-        x = x + self._linear(torch.nn.functional.silu(gate) * self._linear(h, p + "mlp.up_proj"), p + "mlp.down_proj")
-        return x, k, v
+        return x + self._linear(torch.nn.functional.silu(gate) * self._linear(h, p + "mlp.up_proj"), p + "mlp.down_proj")
 
     def forward(self, input_ids, position_ids, attention_mask, past_keys, past_values):
         s = self.spec

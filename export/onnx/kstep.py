@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from export.library_logs import quiet_library
-from export.onnx.graph import (OPSET, PRECISIONS, DecoderGraph, check_against_reference, rms_norm, rotate,
+from export.onnx.graph import (OPSET, PRECISIONS, DecoderGraph, check_against_reference, rms_norm,
                                save_program, share_initializers)
 from runtime.backends.numpy_ref import NumpyTarget, cache_shape
 from runtime.backends.onnx import OnnxTarget
@@ -174,24 +174,11 @@ class KStepDraftGraph(torch.nn.Module):
 
     def _layer(self, i, x, cos, sin, past_k, past_v, chain_k, chain_v, causal):
         """Decoder layer i on x (T, H) with the chain's earlier new rows chain_k/v (S0, nkv, d) -> x', k, v (T, nkv, d)."""
-        s, dec, p = self.spec, self.dec, f"model.layers.{i}."
-        nh, nkv, d, eps = s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps
-        t = x.shape[0]
-        h = rms_norm(x, dec.w(p + "input_layernorm.weight"), eps)
-        q = dec._linear(h, p + "self_attn.q_proj", s.qkv_bias).reshape(t, nh, d)
-        k = dec._linear(h, p + "self_attn.k_proj", s.qkv_bias).reshape(t, nkv, d)
-        v = dec._linear(h, p + "self_attn.v_proj", s.qkv_bias).reshape(t, nkv, d)
-        if s.qk_norm:
-            q = rms_norm(q, dec.w(p + "self_attn.q_norm.weight"), eps)
-            k = rms_norm(k, dec.w(p + "self_attn.k_norm.weight"), eps)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        dec, p = self.dec, f"model.layers.{i}."
+        q, k, v = dec.attention_inputs(p, x, cos, sin)
         k_all = k if chain_k is None else torch.cat([chain_k, k])
         v_all = v if chain_v is None else torch.cat([chain_v, v])
-        x = x + dec._linear(self._attention(q, k_all, v_all, past_k, past_v, causal), p + "self_attn.o_proj")
-        h = rms_norm(x, dec.w(p + "post_attention_layernorm.weight"), eps)
-        gate = dec._linear(h, p + "mlp.gate_proj")
-        x = x + dec._linear(torch.nn.functional.silu(gate) * dec._linear(h, p + "mlp.up_proj"), p + "mlp.down_proj")
-        return x, k, v
+        return dec.after_attention(p, x, self._attention(q, k_all, v_all, past_k, past_v, causal)), k, v
 
     def _step(self, ids, positions, past_keys, past_values, chain_k, chain_v, causal):
         """One forward of the draft on ids (T,) -> the last row's logits (V,) float32; chain_k/v grow by T rows."""

@@ -2,12 +2,12 @@
 
 This is the API the CLI and the ROS 2 node use; it turns text requests (free generation, planner,
 action tokens) into engine calls and checks every request before any work starts. Its pieces live beside it:
-the request and result types (request_types.py), the checks it is assembled with (assembly.py), the grammar cache
+the request and result types (request_types.py), the model it serves, assembled from the config with its checks
+(assembly.py: AssembledModel, which Session extends with the request API), the grammar cache
 (grammars.py), glibc's tuning (malloc.py), the draft shape (tuning.py)."""
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Sequence
@@ -17,23 +17,15 @@ import numpy as np
 from runtime.model import bundle as bundle_io
 from runtime.memory import plan as memory
 from runtime.text.actions import ActionTokenizer
-from runtime.backends.factory import open_model, resolve_backend, say_once
-from runtime.serving.assembly import check_taps, context_positions, eos_ids, prompt_format
-from runtime.serving.blas import set_blas_threads
-from runtime.serving.grammars import GrammarCache
-from runtime.serving.malloc import return_freed_memory, return_large_blocks_on_free  # noqa: F401 (the node's main)
+from runtime.serving.assembly import AssembledModel, check_taps, context_positions, prompt_format  # noqa: F401 (importers)
+from runtime.serving.malloc import return_large_blocks_on_free  # noqa: F401 (the node's main)
 from runtime.serving.request_types import ActionResult, GenerationParams, GenerationResult, Partial, PlanResult
-from runtime.config import RuntimeConfig
-from runtime.drafters import registry
-from runtime.decode.engine import DecodeStats, Engine, StopCheck
-from runtime.errors import BudgetExceeded, BundleError, RequestError, RequestTooLong
+from runtime.decode.engine import DecodeStats, StopCheck
+from runtime.errors import RequestError, RequestTooLong
 from runtime.text.grammar import Grammar
-from runtime.memory.kv import KVArena
 from runtime.text.prompts import ACTION_CHUNK, action_request, parse_plan, plan_objects, planner_request
-from runtime.serving.tuning import choose_shape, template_of, template_prefixes
-from runtime.text.tokenizer import StreamDecoder, Tokenizer
-from runtime.verify import verify_sampled
-from runtime.verify_typical import lossy_verifier
+from runtime.serving.tuning import template_of, template_prefixes
+from runtime.text.tokenizer import StreamDecoder
 
 DRAFTER_CHOICES = bundle_io.BUILTIN_DRAFTERS  # every other drafter needs its entry in the bundle
 
@@ -53,100 +45,9 @@ def prompt_named(fields: Dict[str, str]):
         raise type(exc)(name, f"is {len(fields[name])} characters, the longest part of the prompt, which {detail}") from None
 
 
-class Session:
-    """One model, one drafter, one KV arena. Requests run one at a time (batch 1)."""
-
-    def __init__(self, config: RuntimeConfig):
-        self.config = config
-        if config.backend.blas_threads:
-            set_blas_threads(config.backend.blas_threads)
-        self.bundle = bundle_io.load(config.bundle)
-        b = self.bundle
-        self._stamps = bundle_io.file_stamps(b)  # what was loaded, to notice a bundle changed under a running node
-        backend = replace(config.backend, kind=resolve_backend(config.backend.kind, b, config.backend.precision))
-        if backend.kind == "gguf":  # the quant by name from here on: the draft model's GGUF and the plan read it
-            backend = replace(backend, precision=b.gguf_quant(backend.precision))
-        self.tokenizer = Tokenizer(b.path(b.tokenizer))
-        spec = b.target.spec
-        name = config.drafter.kind if config.drafter.kind != "auto" else b.default_drafter
-        if name not in b.drafter_choices():
-            raise RequestError("drafter", b.missing_drafter(name))
-        # Fixed or adaptive draft shapes (runtime/serving/tuning.py); a tuned shape may draft deeper than num_tokens.
-        try:
-            precision_key = (b.onnx_target(backend.precision) if backend.kind == "onnx" else
-                             b.target_files(backend.kind)).params.get("precision", backend.precision)
-        except BundleError:  # the backend's own files are checked (and refused, by name) further down
-            precision_key = backend.precision
-        self.shape = choose_shape(config.drafter.shape, config.bundle, backend.kind, str(precision_key), name,
-                                  config.drafter.num_tokens)
-        self.shape_precision = str(precision_key)  # what a tune of this session is keyed by, with backend and machine
-        if self.shape.note:  # a tune of another machine: said once, not used
-            say_once(f"edgespec: {self.shape.note}")
-        num_tokens = self.shape.num_tokens
-        # The plan (runtime/memory/plan.py) sizes the arena; an over-budget session is refused before any allocation.
-        shapes = registry.cache_shapes(b, name)
-        tree_tokens = registry.tree_tokens(b, name, num_tokens, config.drafter.branching)
-        self.plan_inputs = registry.plan_inputs(b, name, backend.kind, tree_tokens, backend.precision,
-                                                config.memory.prefill_chunk,
-                                                config.memory.exceed_max_position_embeddings)
-        positions = wanted = context_positions(config.memory, self.plan_inputs)
-        self.budget_bytes = int(config.memory.budget_mb * 2**20)
-        if self.budget_bytes > 0:
-            fit = memory.max_context(self.plan_inputs, self.budget_bytes)
-            if fit < memory.MIN_CONTEXT:
-                raise BudgetExceeded(memory.over_budget(self.plan_inputs, self.budget_bytes, memory.MIN_CONTEXT,
-                                                        "this bundle"))
-            positions = min(positions, fit)
-        # A request longer than this is refused by the budget (not by max_context) before it runs.
-        self.budget_positions = positions if self.budget_bytes > 0 and positions < wanted else None
-        # backend.precision picks the ONNX target graph (the float one, or a quantised one that then IS the target)
-        files = (b.onnx_target(backend.precision) if backend.kind == "onnx" else
-                 b.target_files(b.target_entry_key(backend.kind, backend.precision)))
-        # (numpy drafters sharing an fp16 arena read it upcast; only the drafter's precision is affected, not exactness)
-        kv_dtype = np.float16 if files.params.get("precision") == "fp16" else np.float32
-        # + drafted rows: a drafter's cache holds the context plus the branch it is drafting
-        self.arena = KVArena.for_context(shapes, positions + memory.DRAFT_SLACK, dtype=kv_dtype)
-        cache = self.arena.allocate("target", shapes["target"], positions)
-        # The hidden states the drafter reads: a backend that cannot give one refuses here, at session creation.
-        taps = b.drafters[name].target_taps if name in b.drafters else ()
-        self.target = open_model(b, spec, files, backend, cache, taps=taps)
-        self.drafter = registry.build_drafter(name, b, backend, self.arena, positions, num_tokens,
-                                     config.drafter.branching, getattr(self.target, "w", None))
-        check_taps(self.target, self.drafter, backend.kind, config.bundle)
-        self.drafter_kind = name
-        self.backend_name = backend.kind
-        self.prompts = prompt_format(b, self.tokenizer)
-        # decoding.lossy_typical_acceptance: the one LOSSY option, asked for by name (sampled requests only)
-        verifier = (lossy_verifier(config.decoding.typical_epsilon, config.decoding.typical_delta)
-                    if config.decoding.lossy_typical_acceptance else verify_sampled)
-        self.engine = Engine(self.target, self.drafter, eos_ids(b, self.prompts, self.tokenizer),
-                             sampled_verifier=verifier, prefix_cache=config.memory.prefix_cache,
-                             policy=self.shape.policy, shape=self.shape.label,
-                             prefill_chunk=config.memory.prefill_chunk)
-        self._actions: Optional[ActionTokenizer] = None
-        self._prefixes: Optional[list] = None  # the prompt templates' fixed starts (template_of), when first needed
-        self._grammars = GrammarCache(b.path(b.tokenizer), spec.vocab_size, self.engine.eos)
-        # Measured once: the files it reads may be replaced or deleted while the model, loaded, serves on.
-        self._memory_bytes = self._measure_memory()
-
-    @classmethod
-    def open(cls, bundle_dir: str, drafter: Optional[str] = None, backend: Optional[str] = None,
-             max_context: Optional[int] = None, num_tokens: Optional[int] = None,
-             prefix_cache: Optional[bool] = None, shape: Optional[str] = None) -> "Session":
-        cfg = RuntimeConfig(bundle=bundle_dir)
-        if drafter is not None:
-            cfg = replace(cfg, drafter=replace(cfg.drafter, kind=drafter))
-        if shape is not None:  # auto | fixed | adaptive, checked by tuning.choose_shape
-            cfg = replace(cfg, drafter=replace(cfg.drafter, shape=shape))
-        if num_tokens is not None:
-            cfg = replace(cfg, drafter=replace(cfg.drafter, num_tokens=num_tokens))
-        if backend is not None:
-            cfg = replace(cfg, backend=replace(cfg.backend, kind=backend))
-        if max_context is not None:
-            cfg = replace(cfg, memory=replace(cfg.memory, max_context=max_context))
-        if prefix_cache is not None:
-            cfg = replace(cfg, memory=replace(cfg.memory, prefix_cache=prefix_cache))
-        return cls(cfg)
+class Session(AssembledModel):
+    """One model, one drafter, one KV arena (assembled from its config by runtime/serving/assembly.py).
+    Requests run one at a time (batch 1)."""
 
     def template_of(self, prompt_ids: Sequence[int]) -> Optional[str]:
         """Which of the bundle's prompt templates a prompt was made with (planner, action, text), by its fixed
@@ -156,20 +57,6 @@ class Session:
         if self._prefixes is None:
             self._prefixes = template_prefixes(self.prompts, self.tokenizer.encode)
         return template_of(prompt_ids, self._prefixes)
-
-    def memory_in_use(self) -> int:
-        """Bytes held: the KV arena, the target's weights and the drafter's (measured at load)."""
-        return self._memory_bytes
-
-    def _measure_memory(self) -> int:
-        weights = int(getattr(self.target, "weight_bytes", 0))
-        draft = self.drafter.memory_bytes if self.drafter else 0
-        return self.arena.capacity_bytes + weights + draft
-
-    def changed_files(self) -> List[str]:
-        """Bundle files changed or removed on disk since this session loaded them (it serves on from memory;
-        a new session loads the new ones). Costs one stat per file."""
-        return bundle_io.changed_files(self.bundle, self._stamps)
 
     @property
     def actions(self) -> ActionTokenizer:
@@ -181,16 +68,6 @@ class Session:
         """Compile a request's constraint (JSON Schema as dict or text, or a Lark grammar); None if neither.
         Compiled grammars are kept for the next requests (runtime/serving/grammars.py)."""
         return self._grammars.constraint(json_schema, grammar, field)
-
-    def close(self) -> None:
-        """Release the model (weights, KV arena, backend sessions), also while the caller still holds this
-        object, and hand the freed pages back to the OS."""
-        self.target = None
-        self.drafter = None
-        self.engine = None
-        self.arena = None
-        gc.collect()
-        return_freed_memory()
 
     def warm_up(self) -> DecodeStats:
         """One short request through the configured backend and drafter, EOS masked so that a cycle with a

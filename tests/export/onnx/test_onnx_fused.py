@@ -1,9 +1,8 @@
 """`edgespec export --to onnx` (attention "fused", the default for a float target): the decoder written node by node
 with ONNX Runtime's fused contrib ops (export/onnx/fused.py). For every model family it equals the numpy reference
 through prefill, decode, a tree verify, keep and rollback (fp32 and fp16); its nodes are the lean set
-(no RMSNorm or rope spelled out in elementwise ops); tree greedy decoding on it emits the token-by-token greedy
-tokens; the device-arena path gives the host path's logits bitwise; a KV cache longer than its rope table is
-refused; the bundle export picks it for float targets only."""
+(no RMSNorm or rope spelled out in elementwise ops); a KV cache longer than its rope table is refused; the bundle
+export picks it for float targets only. Tree greedy identity and the device-arena path: test_contrib_op_graphs.py."""
 import os
 import shutil
 
@@ -14,7 +13,7 @@ from export.onnx.fused import export_fused_onnx, rope_positions
 from runtime.backends.onnx import OnnxTarget
 from runtime.errors import BackendError, ExportError
 from tests.runtime.backends.test_onnx_backend import (FAMILIES, FP16_TOL, TOL, arena_cache, assert_same, greedy_decode,
-                                                      greedy_tree_decode, pair, tree_inputs)
+                                                      pair, tree_inputs)
 from tests.support.hf_tiny import tiny_hf_model
 
 ort = pytest.importorskip("onnxruntime", reason="the onnx extra (onnxruntime) is not installed")
@@ -80,32 +79,6 @@ def test_fp16_fused_graph_matches_numpy_within_the_fp16_tolerance(family, tmp_pa
                              precision="fp16")
     ort_t, ref = pair(spec, weights, path, dtype=np.float16, taps=("final_norm", "layer_out.1"))
     _through_prefill_decode_tree_keep_rollback(ort_t, ref, spec, FP16_TOL)
-
-
-def test_tree_verification_on_the_fused_graph_emits_the_token_by_token_greedy_tokens(fused):
-    """20 random prompts, 12 tokens each, a 6-node tree per step: exact token identity (fp32)."""
-    spec, _, path = fused
-    target = OnnxTarget(spec, path, arena_cache(spec))
-    rng = np.random.default_rng(3)
-    for _ in range(20):
-        prompt = rng.integers(0, spec.vocab_size, int(rng.integers(2, 30)))
-        plain = greedy_decode(target, prompt, 12)
-        assert greedy_tree_decode(target, prompt, 12, plain, rng) == plain
-
-
-def test_device_arena_path_gives_the_host_logits_bitwise_on_the_fused_graph(fused):
-    spec, _, path = fused
-    host = OnnxTarget(spec, path, arena_cache(spec))
-    dev = OnnxTarget(spec, path, arena_cache(spec), arena_device="cpu")
-    rng = np.random.default_rng(4)
-    prompt = rng.integers(0, spec.vocab_size, 16)
-    tokens, positions, mask = tree_inputs(spec, 16, rng)
-    for t in (host, dev):
-        t.forward(prompt, np.arange(16))
-        t.forward(tokens, positions, mask)
-        t.keep(16, [16, 17, 19])
-    np.testing.assert_array_equal(host.forward(prompt[:1], np.array([19])).logits,
-                                  dev.forward(prompt[:1], np.array([19])).logits)
 
 
 def test_a_kv_cache_longer_than_the_fused_graphs_rope_table_is_refused_at_load(tmp_path):

@@ -1,16 +1,15 @@
 """`edgespec export --to onnx --attention gqa`: attention as ONNX Runtime's contrib op GroupQueryAttention over one
 shared past/present K/V buffer per layer (head-major view of the arena). The graph matches the numpy reference
-through prefill, decode, a tree verify (the tree mask as the op's attention_bias), keep and rollback; tree greedy
-decoding on it emits exactly the token-by-token greedy tokens; the op writes only the new rows, in place; the
-device-arena (OrtValue) path gives the host path's logits bitwise; the bundle records the choice."""
+through prefill, decode, a tree verify (the tree mask as the op's attention_bias), keep and rollback; the op writes
+only the new rows, in place; the bundle records the choice. Tree greedy identity and the device-arena path, shared
+with the fused graph: test_contrib_op_graphs.py."""
 import numpy as np
 import pytest
 
 from export.onnx.graph import export_target_onnx
 from runtime.backends.onnx import OnnxTarget
 from tests.support.hf_tiny import rel_err, tiny_hf_model
-from tests.runtime.backends.test_onnx_backend import (TOL, arena_cache, assert_same, greedy_decode, greedy_tree_decode, pair,
-                                     tree_inputs)
+from tests.runtime.backends.test_onnx_backend import TOL, arena_cache, assert_same, pair, tree_inputs
 
 ort = pytest.importorskip("onnxruntime", reason="the onnx extra (onnxruntime) is not installed")
 
@@ -79,35 +78,6 @@ def test_the_op_writes_only_the_new_rows_in_place_in_the_head_major_arena(export
         assert np.shares_memory(k, ort_t.cache.k)
         assert rel_err(k, ref.cache.k[:20, i]) <= TOL and rel_err(v, ref.cache.v[:20, i]) <= TOL
         assert not ort_t.k[i, :, 20:].any() and not ort_t.v[i, :, 20:].any()  # nothing past the new rows
-
-
-def test_tree_verification_on_the_gqa_graph_emits_the_token_by_token_greedy_tokens(exported):
-    """20 random prompts, 12 tokens each, a 6-node tree per step: exact token identity (fp32)."""
-    spec, _, path = exported
-    target = OnnxTarget(spec, path, arena_cache(spec))
-    rng = np.random.default_rng(3)
-    for _ in range(20):
-        prompt = rng.integers(0, spec.vocab_size, int(rng.integers(2, 30)))
-        plain = greedy_decode(target, prompt, 12)
-        assert greedy_tree_decode(target, prompt, 12, plain, rng) == plain
-
-
-def test_device_arena_path_gives_the_host_logits_bitwise_on_the_gqa_graph(exported):
-    spec, _, path = exported
-    host = OnnxTarget(spec, path, arena_cache(spec))
-    dev = OnnxTarget(spec, path, arena_cache(spec), arena_device="cpu")
-    rng = np.random.default_rng(4)
-    prompt = rng.integers(0, spec.vocab_size, 16)
-    tokens, positions, mask = tree_inputs(spec, 16, rng)
-    for t in (host, dev):
-        t.forward(prompt, np.arange(16))
-        t.forward(tokens, positions, mask)
-        t.keep(16, [16, 17, 19])
-    np.testing.assert_array_equal(host.forward(prompt[:1], np.array([19])).logits,
-                                  dev.forward(prompt[:1], np.array([19])).logits)
-    for i in range(spec.num_layers):
-        for a, b in zip(host.layer_kv(i), dev.layer_kv(i)):
-            np.testing.assert_array_equal(a, b)
 
 
 def test_export_refuses_gqa_attention_for_a_quantised_graph_and_leaves_the_bundle_unchanged(tiny_bundle, tmp_path):

@@ -210,15 +210,20 @@ def greedy_tree_decode(target, prompt, n, oracle, rng):
     return out[:n]
 
 
+def assert_tree_greedy_identity(target, spec, prompts: int, seed: int = 3) -> None:
+    """`prompts` random prompts, 12 tokens each, a 6-node tree per step: tree verification on `target` emits exactly
+    the token-by-token greedy tokens."""
+    rng = np.random.default_rng(seed)
+    for _ in range(prompts):
+        prompt = rng.integers(0, spec.vocab_size, int(rng.integers(2, 30)))
+        plain = greedy_decode(target, prompt, 12)
+        assert greedy_tree_decode(target, prompt, 12, plain, rng) == plain
+
+
 def test_tree_verification_emits_the_same_tokens_as_token_by_token_greedy_decoding(exported):
     """50 random prompts per family, 12 tokens each: exact token identity (fp32)."""
     spec, weights, path = exported
-    ort = OnnxTarget(spec, path, arena_cache(spec))
-    rng = np.random.default_rng(3)
-    for _ in range(50):
-        prompt = rng.integers(0, spec.vocab_size, int(rng.integers(2, 30)))
-        plain = greedy_decode(ort, prompt, 12)
-        assert greedy_tree_decode(ort, prompt, 12, plain, rng) == plain
+    assert_tree_greedy_identity(OnnxTarget(spec, path, arena_cache(spec)), spec, 50)
 
 
 def test_export_cli_adds_target_and_draft_model_graphs_to_a_bundle(tmp_path, capsys):

@@ -22,7 +22,7 @@ from tests.support import REPO_ROOT
 DRAFTER_KINDS = tuple(registry.BY_KIND)
 
 # The files that once switched on drafter kinds (session.build_drafter, the plan's per-kind weights, certify's hasattr)
-KIND_BLIND = ("runtime/serving/session.py", "runtime/memory/plan.py", "runtime/decode/engine.py",
+KIND_BLIND = ("runtime/serving/session.py", "runtime/serving/assembly.py", "runtime/memory/plan.py", "runtime/decode/engine.py",
               "runtime/certify/run.py", "runtime/commands/certify.py")
 INTERFACE = {"branching", "fixed_shape", "builds_sampled_trees", "takes_branching", "model", "tree", "k"}
 

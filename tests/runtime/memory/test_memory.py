@@ -98,11 +98,11 @@ def budget_config(bundle, budget_mb, **memory_keys):
 
 
 def test_a_session_over_budget_is_refused_with_the_numbers_before_any_allocation(tiny_bundle, monkeypatch):
-    from runtime.serving import session as session_mod
+    from runtime.serving import assembly  # where a Session is assembled
     def no_allocation(*args, **kwargs):
         raise AssertionError("allocated before the budget was checked")
-    monkeypatch.setattr(session_mod.KVArena, "for_context", no_allocation)
-    monkeypatch.setattr(session_mod, "open_model", no_allocation)
+    monkeypatch.setattr(assembly.KVArena, "for_context", no_allocation)
+    monkeypatch.setattr(assembly, "open_model", no_allocation)
     with pytest.raises(BudgetExceeded) as exc:
         Session(budget_config(tiny_bundle, 8.0))  # less than the runtime overhead alone
     msg = str(exc.value)
