@@ -124,6 +124,10 @@ class OnnxTarget(CacheRows):
             parse_tap(t, spec.num_layers)
             if tap_output_name(t) not in outputs:
                 raise BackendError(f"{model_path}: the graph has no output for tap {t!r}; re-export with --taps {t}")
+        # A fused graph's taps are its layers' (1, T, H) tensors themselves (export/onnx/fused.py), others' (T, H):
+        # the same bytes, bound with the graph's own rank.
+        ranks = {len(o.shape) for o in self.session.get_outputs() if o.name.startswith("tap_")}
+        self._tap_lead = (1,) if ranks == {3} else ()
         self.binding = self.session.io_binding()
         self._bind_input, self._bind_output = _binders(ort, self.binding)
         n, heads, d = spec.num_layers, spec.num_kv_heads, spec.head_dim
@@ -206,7 +210,7 @@ class OnnxTarget(CacheRows):
             self._bind_in("logits_from", self._logits_from)
         self._bind_out("logits", logits)
         for name, arr in got.items():
-            self._bind_out(tap_output_name(name), arr)
+            self._bind_output(tap_output_name(name), arr.dtype, self._tap_lead + arr.shape, arr.ctypes.data)
         start = time.perf_counter()
         self.session.run_with_iobinding(b)
         self.last_run_s = time.perf_counter() - start

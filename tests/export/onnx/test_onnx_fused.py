@@ -73,6 +73,21 @@ def test_fused_graph_is_the_lean_contrib_op_graph(fused):
     assert not {"Pow", "ReduceMean", "Softmax", "Neg", "Concat", "Sin", "Cos"} & set(ops)
 
 
+def test_the_fused_graphs_taps_are_its_layers_own_tensors_with_no_node_run_for_them(fused, tmp_path):
+    """ONNX Runtime runs every node of a graph, bound output or not, so a node per tap would run on every plain
+    step: the graph with taps has the nodes of the graph without, plus one Identity where two taps name the same
+    tensor (layer_in.2 is layer_out.1); the taps' values are the reference's (test above)."""
+    import onnx
+
+    spec, weights, path = fused
+    bare = str(tmp_path / "bare.onnx")
+    export_fused_onnx(spec, weights, bare, taps=())
+    ops = lambda p: sorted(n.op_type for n in onnx.load(p, load_external_data=False).graph.node)
+    with_taps = ops(path)
+    with_taps.remove("Identity")  # the one alias: layer_out.1 of layer_in.2's tensor
+    assert with_taps == ops(bare)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_fp16_fused_graph_matches_numpy_within_the_fp16_tolerance(family, tmp_path):
     _, spec, weights = tiny_hf_model(family, seed=11)
