@@ -82,7 +82,7 @@ class OnnxTarget(CacheRows):
     def __init__(self, spec: ModelSpec, model_path: str, cache: KVCache,
                  providers: Sequence[str] = ("CPUExecutionProvider",), threads: int = 0,
                  tap_names: Sequence[str] = ("final_norm",), profile_prefix: str = "",
-                 arena_device: Optional[str] = None, spinning: bool = False):
+                 arena_device: Optional[str] = None, spinning: str = "never"):
         ort = import_ort()
         self.spec = spec
         self.cache = cache
