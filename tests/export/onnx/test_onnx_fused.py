@@ -179,6 +179,29 @@ def test_the_kv_blocks_are_bound_once_and_again_only_when_the_bound_taps_change(
     assert len(calls) == 4 * spec.num_layers  # the outputs changed: bound again
 
 
+def test_a_plain_step_binds_only_its_mask_and_logits_and_writes_ids_and_positions_in_place(fused):
+    """Host work per step: ids, positions and logits_from live in buffers bound once per T; a step of the same T
+    writes two numbers and binds only the attention mask (its shape grows) and the logits it returns. A change of
+    T (a verify, a prefill chunk) binds them again; every forward's logits are the reference's."""
+    spec, weights, path = fused
+    ort_t, ref = pair(spec, weights, path, taps=TAPS)
+    names = []
+    bind = ort_t._bind_input
+    ort_t._bind_input = lambda n, *a: (names.append(n), bind(n, *a))
+    rng = np.random.default_rng(9)
+    prompt = rng.integers(0, spec.vocab_size, 10)
+    assert_same(ort_t.forward(prompt, np.arange(10)), ref.forward(prompt, np.arange(10)))
+    steps = [(rng.integers(0, spec.vocab_size, 1), np.array([pos])) for pos in range(10, 14)]
+    steps.insert(2, (rng.integers(0, spec.vocab_size, 3), np.arange(12, 15)))  # a 2-node chain verify in between
+    steps[3:] = [(tok, pos + 3) for tok, pos in steps[3:]]
+    for tok, pos in steps:
+        names.clear()
+        assert_same(ort_t.forward(tok, pos), ref.forward(tok, pos))
+        first_of_its_t = len(tok) == 3 or pos[0] in (10, 15)
+        assert sorted(names) == (["attention_mask", "input_ids", "logits_from", "position_ids"] if first_of_its_t
+                                 else ["attention_mask"])
+
+
 def test_a_prefill_fetches_only_its_last_logits_row_from_the_fused_graph(fused):
     """The engine's prefill samples from the last row only: the graph's head runs on that row and the backend
     binds a (1, V) logits buffer, not (T, V); its values are the full forward's last row."""
