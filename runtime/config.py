@@ -50,6 +50,10 @@ class BackendConfig:
     # exact oracle: name it to compare against it).
     kind: str = limits("auto", choices=("numpy_ref", "onnx", "gguf", "tensorrt", "auto"))
     threads: int = limits(0, min=0, max=256, doc="0 = one per CPU core")
+    spinning: str = limits("never", choices=("never", "run", "always"),
+                           doc="onnx: ORT's intra-op threads sleep between operators (never), spin while a run lasts "
+                               "(run: no wake-up per operator, idle between runs) or also after it (always, ORT's "
+                               "default); spinning pays on dedicated cores only")
     providers: Tuple[str, ...] = ("CPUExecutionProvider",)
     precision: str = limits("auto", choices=("auto", "fp32", "fp16", "int8", "int4", "f16", "q8_0", "q4_K_M"),
                             doc="which target of the bundle runs. onnx: auto = its float graph (fp32 or fp16); "

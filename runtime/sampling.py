@@ -87,23 +87,37 @@ def process_logits(logits: np.ndarray, params: SamplingParams, history: Sequence
     return process_logits_batch(x[None, :], params, [history], None if mask is None else mask[None, :])[0]
 
 
-def _greedy_one_hot(logits: np.ndarray) -> np.ndarray:
-    """(N, V) logits -> (N, V) float64 one-hot rows at each row's argmax (ties -> lowest id), read in place: the
-    general path's answer without its float64 copy and full-size NaN / -inf scans. np.argmax returns a row's
-    first NaN if it has one, so the chosen entries alone show a NaN or an all -inf row.
+def plain_greedy(params: SamplingParams, masks: Optional[np.ndarray] = None) -> bool:
+    """Whether greedy decoding under `params` is the raw logits' argmax: nothing (allowed set, grammar mask,
+    repetition penalty) changes a row before it."""
+    return params.greedy and params.allowed_tokens is None and masks is None and params.repetition_penalty == 1.0
 
-    Example: [[1, 3, 3]] -> [[0, 1, 0]]."""
+
+def greedy_choices(logits: np.ndarray) -> np.ndarray:
+    """(N, V) logits -> (N,) int64 argmax of each row (ties -> lowest id), read in place: what plain greedy
+    verification needs, with no (N, V) array made. np.argmax returns a row's first NaN if it has one, so the
+    chosen entries alone show a NaN or an all -inf row.
+
+    Example: [[1, 3, 3], [0, -1, 2]] -> [1, 2]."""
     if logits.ndim != 2:
         raise ValueError(f"process_logits_batch expects (N, V) logits, got shape {logits.shape}")
-    n = logits.shape[0]
     best = np.argmax(logits, axis=1)  # (N,)
-    top = logits[np.arange(n), best]
+    top = logits[np.arange(logits.shape[0]), best]
     if np.isnan(top).any():
         raise ValueError("logits contain NaN: the backend produced an invalid forward pass")
     if np.isneginf(top).any():
         raise ValueError("every token has logit -inf (after the allowed-token / grammar mask): nothing can be sampled")
+    return best
+
+
+def _greedy_one_hot(logits: np.ndarray) -> np.ndarray:
+    """(N, V) logits -> (N, V) float64 one-hot rows at greedy_choices: the general path's answer without its
+    float64 copy and full-size NaN / -inf scans.
+
+    Example: [[1, 3, 3]] -> [[0, 1, 0]]."""
+    best = greedy_choices(logits)
     probs = np.zeros(logits.shape, np.float64)
-    probs[np.arange(n), best] = 1.0
+    probs[np.arange(logits.shape[0]), best] = 1.0
     return probs
 
 
@@ -117,7 +131,7 @@ def process_logits_batch(
     `histories` may be empty when repetition_penalty == 1 (histories then do not matter).
     Example: logits (1, 1, 1), temperature 1, mask (True, False, True) -> (0.5, 0, 0.5).
     """
-    if params.greedy and params.allowed_tokens is None and masks is None and params.repetition_penalty == 1.0:
+    if plain_greedy(params, masks):
         return _greedy_one_hot(np.asarray(logits))
     x = np.array(logits, dtype=np.float64)  # (N, V) private copy
     if x.ndim != 2:

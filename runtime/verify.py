@@ -63,7 +63,20 @@ def verify_greedy(tree: DraftTree, target_probs: np.ndarray) -> VerifyResult:
     Tree tokens (3, 5) both children of the root, argmax row 0 = 5 -> accepted [1], next_token = argmax row 2.
     """
     probs = _check_shapes(tree, target_probs)
-    argmax = np.argmax(probs, axis=1).tolist()  # (n+1,) target's choice after root / node i
+    return verify_greedy_choices(tree, np.argmax(probs, axis=1))
+
+
+def verify_greedy_choices(tree: DraftTree, choices: np.ndarray) -> VerifyResult:
+    """verify_greedy from the target's argmax per row, choices (n+1,) int (sampling.greedy_choices of the raw
+    logits when nothing processes them): the same walk, without an (n+1, V) distribution.
+
+    Example: chain (5, 7, 2), choices (5, 7, 9, 4) -> accepted [0, 1], next_token 9."""
+    n = len(tree)
+    if len(choices) != n + 1:
+        raise ValueError(f"{len(choices)} target choices, expected {n + 1} for a tree of {n} nodes")
+    if n == 0:  # plain decoding's cycle: the root's row is the next token
+        return VerifyResult(accepted=[], next_token=int(choices[0]))
+    argmax = np.asarray(choices).tolist()  # (n+1,) target's choice after root / node i
     kids = tree.children_lists()
     tokens = tree.tokens.tolist()
     accepted: List[int] = []

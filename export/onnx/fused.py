@@ -14,7 +14,8 @@ Reciprocal/Mul, rope as Slice/Neg/Concat/Mul/Add, attention as MatMul/Softmax/Co
 
 Inputs and outputs are the "gqa" graph's (export/onnx/graph.py's docstring), so runtime/backends/onnx.py runs it
 unchanged: input_ids / position_ids (T,), attention_mask float32 (T, P+T) additive, past_key_i / past_value_i
-(1, nkv, M, d) bound to the same memory as present_key_i / present_value_i, logits and tap_<name> float32 (T, .).
+(1, nkv, M, d) bound to the same memory as present_key_i / present_value_i, logits float32 (R, V); each
+tap_<name> is float32 (1, T, H), the layer's own tensor (no node runs for a tap), bound as the backend's (T, H).
 One more input, logits_from int64 (1,), makes logits the rows [logits_from, T) only: (T - logits_from, V).
 
 The rope table holds ROPE_POSITIONS(spec) positions (recorded as the graph's metadata "rope_positions", which
@@ -24,7 +25,7 @@ q and k per head with SimplifiedLayerNormalization before the op. Checked agains
 from __future__ import annotations
 
 import os
-from typing import List, Mapping, Sequence
+from typing import Dict, List, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -185,8 +186,16 @@ def build_fused_model(spec: ModelSpec, weights: Mapping[str, np.ndarray], taps: 
     rows = g.node("Slice", [g.node("Squeeze", [final, "axis0"], "final_2d"), LOGITS_FROM, "rows_end", "axis0"],
                   "logit_rows")  # (R, H)
     g.out(g.node("MatMul", [rows, head], "lm_head"), "logits")
+    # A tap is its layer's own (1, T, H) tensor, renamed: ONNX Runtime runs every node of a graph whether or not
+    # its output is bound, so a Squeeze per tap would run on every step that reads no tap (plain decoding).
+    # layer_in.{i+1} and layer_out.{i} are one tensor: a second tap of it is an Identity (runs only when both are).
+    named: Dict[str, str] = {}
     for t in taps:
-        g.out(g.node("Squeeze", [tap_src[t], "axis0"], f"{tap_output_name(t)}_2d"), tap_output_name(t))
+        src = tap_src[t]
+        if src in named:
+            g.nodes.append(helper.make_node("Identity", [named[src]], [tap_output_name(t)], name=f"{t}/alias"))
+        else:
+            named[src] = g.out(src, tap_output_name(t))
     kv_shape = [1, nkv, "M", d]
     inputs = ([helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["T"]),
                helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["T"]),
@@ -198,8 +207,8 @@ def build_fused_model(spec: ModelSpec, weights: Mapping[str, np.ndarray], taps: 
         if nm.startswith("present_"):
             out_info.append(helper.make_tensor_value_info(nm, dt, kv_shape))
         else:
-            rows, width = ("R", s.vocab_size) if nm == "logits" else ("T", s.hidden_size)
-            out_info.append(helper.make_tensor_value_info(nm, TensorProto.FLOAT, [rows, width]))
+            shape = ["R", s.vocab_size] if nm == "logits" else [1, "T", s.hidden_size]
+            out_info.append(helper.make_tensor_value_info(nm, TensorProto.FLOAT, shape))
     graph = helper.make_graph(g.nodes, "edgespec_fused_decoder", inputs, out_info, g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MSFT, 1)],
                               producer_name="edgespec")

@@ -65,9 +65,9 @@ def load_weights(bundle: Bundle, files: Sequence[str]) -> dict:
 
 
 def open_model(bundle: Bundle, spec: ModelSpec, files: BackendFiles, backend: BackendConfig, cache: KVCache,
-               taps: Sequence[str] = (), label: str = "target", profile_prefix: str = "", spinning: bool = False):
+               taps: Sequence[str] = (), label: str = "target", profile_prefix: str = "", spinning: Optional[str] = None):
     """A TargetBackend for `spec` whose weights/graphs are `files` of `bundle`. onnx only: `profile_prefix` turns on
-    ORT's per-node profiler, `spinning` its spinning intra-op threads (runtime/commands/bench_backend.py measures both)."""
+    ORT's per-node profiler, `spinning` its intra-op threads' spinning (onnx_net.SPINNING; None: backend.spinning; bench_backend measures each)."""
     if backend.kind == "numpy_ref":
         from runtime.backends.numpy_ref import NumpyTarget
         return NumpyTarget(spec, load_weights(bundle, files.files), cache, source=f"{bundle.root} ({label})")
@@ -78,7 +78,7 @@ def open_model(bundle: Bundle, spec: ModelSpec, files: BackendFiles, backend: Ba
             raise BundleError(f"{bundle.root}: {label} has no .onnx graph; run `edgespec export --to onnx --bundle {bundle.root}`")
         return OnnxTarget(spec, bundle.path(graphs[0]), cache, providers=backend.providers, threads=backend.threads,
                           tap_names=tuple(files.params.get("taps", ("final_norm",))), profile_prefix=profile_prefix,
-                          spinning=spinning)
+                          spinning=backend.spinning if spinning is None else spinning)
     if backend.kind == "tensorrt":
         from runtime.backends.tensorrt import TensorRTTarget
         engines = [f for f in files.files if f.endswith(".engine")]

@@ -82,7 +82,7 @@ class OnnxTarget(CacheRows):
     def __init__(self, spec: ModelSpec, model_path: str, cache: KVCache,
                  providers: Sequence[str] = ("CPUExecutionProvider",), threads: int = 0,
                  tap_names: Sequence[str] = ("final_norm",), profile_prefix: str = "",
-                 arena_device: Optional[str] = None, spinning: bool = False):
+                 arena_device: Optional[str] = None, spinning: str = "never"):
         ort = import_ort()
         self.spec = spec
         self.cache = cache
@@ -115,6 +115,10 @@ class OnnxTarget(CacheRows):
         # fused graphs: the attention op is causal itself, so a causal forward binds an all-zero bias (_zero_bias)
         self._causal_op = meta.get("attention_is_causal") == "1"
         self._zeros = np.zeros(0, np.float32)
+        # ids and positions of a forward, (2, >= T) int64, kept across forwards: bound again only when T or the
+        # buffer changes (a plain step writes two numbers instead of making two bindings); None = not bound.
+        self._io = np.zeros((2, 64), np.int64)
+        self._io_bound: Optional[int] = None
         rope = meta.get("rope_positions")
         if rope is not None and cache.max_positions > int(rope):  # a fused graph's rope table (export/onnx/fused.py)
             raise BackendError(f"{model_path}: the graph's rope table holds {rope} positions, the KV cache "
@@ -124,6 +128,10 @@ class OnnxTarget(CacheRows):
             parse_tap(t, spec.num_layers)
             if tap_output_name(t) not in outputs:
                 raise BackendError(f"{model_path}: the graph has no output for tap {t!r}; re-export with --taps {t}")
+        # A fused graph's taps are its layers' (1, T, H) tensors themselves (export/onnx/fused.py), others' (T, H):
+        # the same bytes, bound with the graph's own rank.
+        ranks = {len(o.shape) for o in self.session.get_outputs() if o.name.startswith("tap_")}
+        self._tap_lead = (1,) if ranks == {3} else ()
         self.binding = self.session.io_binding()
         self._bind_input, self._bind_output = _binders(ort, self.binding)
         n, heads, d = spec.num_layers, spec.num_kv_heads, spec.head_dim
@@ -165,9 +173,10 @@ class OnnxTarget(CacheRows):
 
     def forward(self, tokens, positions, mask: Optional[np.ndarray] = None, taps: Sequence[str] = (),
                 all_logits: bool = True) -> ForwardResult:
-        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
-        positions = np.ascontiguousarray(positions, dtype=np.int64)
+        tokens, positions = np.asarray(tokens), np.asarray(positions)
         t, p = tokens.shape[0], self.cache.length
+        if positions.shape != (t,):
+            raise ValueError(f"positions shape {positions.shape}, expected ({t},) (one per token)")
         self.cache.check_room(t)
         for name in taps:
             if name not in self.tap_names:
@@ -189,6 +198,7 @@ class OnnxTarget(CacheRows):
         else:
             b.clear_binding_inputs()
             b.clear_binding_outputs()
+            self._io_bound = None
             past, new, dt = (p, *self._row), (t, *self._row), self.kv_dtype
             skip = p * self._row_bytes
             for i, kp, vp in self._ptrs:
@@ -198,20 +208,34 @@ class OnnxTarget(CacheRows):
                 self._bind_kv_out("new_key" + i, dt, new, kp + skip)
                 self._bind_kv_out("new_value" + i, dt, new, vp + skip)
         # binding a name again replaces its earlier binding
-        self._bind_in("input_ids", tokens)
-        self._bind_in("position_ids", positions)
-        self._bind_in("attention_mask", add_mask)
+        self._step_inputs(tokens, positions)
+        self._bind_in("attention_mask", add_mask)  # (T, P+T): its shape changes every step
         if self._logits_from is not None:
-            self._logits_from[0] = t - rows  # bound by pointer: read when the graph runs
-            self._bind_in("logits_from", self._logits_from)
+            self._logits_from[0] = t - rows  # bound by pointer (_step_inputs): read when the graph runs
         self._bind_out("logits", logits)
         for name, arr in got.items():
-            self._bind_out(tap_output_name(name), arr)
+            self._bind_output(tap_output_name(name), arr.dtype, self._tap_lead + arr.shape, arr.ctypes.data)
         start = time.perf_counter()
         self.session.run_with_iobinding(b)
         self.last_run_s = time.perf_counter() - start
         self.cache.length = p + t
         return ForwardResult(logits=logits if all_logits or rows == 1 else logits[-1:].copy(), taps=got)
+
+    def _step_inputs(self, tokens: np.ndarray, positions: np.ndarray) -> None:
+        """Write ids and positions into the kept (2, >= T) buffer; bind its rows (and logits_from) only when T or the
+        buffer changed since they were last bound: ORT reads bound memory when the graph runs."""
+        t = tokens.shape[0]
+        if self._io.shape[1] < t:
+            self._io = np.zeros((2, max(t, 2 * self._io.shape[1])), np.int64)
+            self._io_bound = None
+        self._io[0, :t] = tokens
+        self._io[1, :t] = positions
+        if self._io_bound != t:
+            self._bind_in("input_ids", self._io[0, :t])
+            self._bind_in("position_ids", self._io[1, :t])
+            if self._logits_from is not None:
+                self._bind_in("logits_from", self._logits_from)
+            self._io_bound = t
 
     def _zero_bias(self, t: int, p: int) -> np.ndarray:
         """(T, P+T) zeros, a view of one buffer kept across steps (grown, never refilled: nothing writes it)."""
@@ -229,6 +253,7 @@ class OnnxTarget(CacheRows):
         b, dt = self.binding, self.kv_dtype
         b.clear_binding_inputs()
         b.clear_binding_outputs()
+        self._io_bound = None
         block = (1, self._row[0], self.cache.max_positions, self._row[1])
         for i, kp, vp in self._ptrs:
             self._bind_kv_in("past_key" + i, dt, block, kp)

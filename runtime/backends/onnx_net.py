@@ -48,8 +48,17 @@ def bundle_of(model_path: str) -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(model_path)))
 
 
+# ORT's intra-op pool between the operators of a run and after it: (session.intra_op.allow_spinning,
+# session.force_spinning_stop). "never" (the default): threads sleep between operators, so they never take a core
+# from another process or from what runs next (a drafter's graph, numpy maths): on a shared, oversubscribed CPU
+# spinning threads made a step ~1.5-3x slower (measured). "run": they spin while a run lasts, so ~100 small
+# operators a step do not each wake a sleeping thread, and stop the moment it returns; "always": ORT's own default,
+# spinning on after a run too (onnxruntime-genai runs with it). `backend.spinning` picks one for the target.
+SPINNING = {"never": ("0", "0"), "run": ("1", "1"), "always": ("1", "0")}
+
+
 def open_session(model_path: str, providers: Sequence[str] = ("CPUExecutionProvider",), threads: int = 0,
-                 profile_prefix: str = "", spinning: bool = False):
+                 profile_prefix: str = "", spinning: str = "never"):
     """An ort.InferenceSession for one graph of a bundle, with the settings every edgespec graph runs under.
     Raises BackendError (provider missing, no file, graph ORT refuses) with what to do."""
     ort = import_ort()
@@ -67,9 +76,11 @@ def open_session(model_path: str, providers: Sequence[str] = ("CPUExecutionProvi
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    # ORT's pool threads spin after each run by default; between two graphs' runs (target, drafter, numpy
-    # maths) spinning threads would steal the cores the next one needs (spinning=True: ORT's default, to measure).
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    if spinning not in SPINNING:
+        raise BackendError(f"spinning {spinning!r}: expected one of {sorted(SPINNING)}")
+    spin, stop = SPINNING[spinning]
+    opts.add_session_config_entry("session.intra_op.allow_spinning", spin)
+    opts.add_session_config_entry("session.force_spinning_stop", stop)
     if profile_prefix:  # ORT's own per-node profiler (runtime.commands.bench_backend --profile summarises it)
         opts.enable_profiling = True
         opts.profile_file_prefix = profile_prefix

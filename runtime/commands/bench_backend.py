@@ -1,7 +1,7 @@
 """Benchmark a bundle's target backend (runs on the robot: numpy + onnxruntime, no torch).
 
     python -m runtime.commands.bench_backend --bundle build/bundles/zoo [--backend onnx] [--threads N]
-    python -m runtime.commands.bench_backend --bundle OLD NEW --threads 1 2 --spinning 0 1   # configurations side by side
+    python -m runtime.commands.bench_backend --bundle OLD NEW --threads 1 2 --spinning run never   # configurations side by side
 
 Prints, in the roofline habit:
   * measured memory bandwidth (a numpy copy of a >= 512 MB array: bytes read + bytes written / time)
@@ -66,7 +66,7 @@ def _timed(fn, clock=time.perf_counter) -> float:
 
 
 def open_target(b: bundle_mod.Bundle, backend: str, positions: int, threads: int, profile_prefix: str = "",
-                precision: str = "auto", spinning: bool = False):
+                precision: str = "auto", spinning: str = "never"):
     """The bundle's target on `backend` (onnx: its graph of `precision`) with a fresh arena for `positions` rows,
     opened as a Session opens it (runtime/backends/factory.open_model)."""
     spec = b.target.spec
@@ -113,7 +113,7 @@ def _spread(xs: Sequence[float], fmt: str) -> str:
 
 
 def profile_ops(bundle_dir: str, context: int, t: int, steps: int, threads: int, prefix: str,
-                precision: str = "auto", spinning: bool = False) -> List[str]:
+                precision: str = "auto", spinning: str = "never") -> List[str]:
     """Run `steps` forwards of t new tokens at `context` under ONNX Runtime's profiler and summarise its
     JSON trace: milliseconds per step by op type (kernel time, summed over nodes), largest first."""
     import json
@@ -175,7 +175,7 @@ def verify_cycle_overhead(target, context: int, t: int, cycles: int, rng: np.ran
 
 def run(bundle_dirs: Sequence[str], backend: str, threads: Sequence[int], contexts: Sequence[int],
         news: Sequence[int], repeats: int, decode_tokens: int, precision: str = "auto",
-        spinning: Sequence[bool] = (False,), decode_rounds: int = 3, clock: str = "wall") -> List[str]:
+        spinning: Sequence[str] = ("never",), decode_rounds: int = 3, clock: str = "wall") -> List[str]:
     """The tables for every configuration (bundle x threads x spinning), interleaved in one process."""
     rows = max(max(contexts) + max(news), PROMPT + decode_tokens) + 1
     configs, targets, lines = [], [], []
@@ -190,7 +190,7 @@ def run(bundle_dirs: Sequence[str], backend: str, threads: Sequence[int], contex
                 spec = b.target.spec
                 lines.append(f"{label}: bundle {d} ({b.name}: {spec.family}, {spec.num_layers} layers, hidden "
                              f"{spec.hidden_size}, vocab {spec.vocab_size}); backend {backend} ({precision}), threads "
-                             f"{getattr(target, 'threads', 'numpy')}, spinning {int(spin)}, weights "
+                             f"{getattr(target, 'threads', 'numpy')}, spinning {spin}, weights "
                              f"{target.weight_bytes / 1e6:.1f} MB")
     rng = np.random.default_rng(0)
     tick = CLOCKS[clock]
@@ -266,9 +266,9 @@ def main(argv=None) -> int:
                     help="onnx: which target graph of the bundle (auto = its float graph)")
     ap.add_argument("--threads", type=int, nargs="+", default=[0],
                     help="intra-op threads (0 = core count); several: one configuration each")
-    ap.add_argument("--spinning", type=int, nargs="+", choices=(0, 1), default=[0],
-                    help="onnx: let ORT's pool threads spin between runs (1, ORT's default) or not (0, edgespec's); "
-                         "both: one configuration each")
+    ap.add_argument("--spinning", nargs="+", choices=("never", "run", "always"), default=["never"],
+                    help="onnx: ORT's pool threads never spin (never, edgespec's default), spin during a run only (run) "
+                         "or also between runs (always, ORT's default); several: one configuration each")
     ap.add_argument("--contexts", type=int, nargs="+", default=[64, 512, 2048])
     ap.add_argument("--new-tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--repeats", type=int, default=10, help="interleaved rounds")
@@ -276,7 +276,7 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-rounds", type=int, default=3, help="interleaved rounds of the plain-decode measurement")
     ap.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                     help="wall (elapsed) or cpu (this process's CPU seconds, all threads: what the work costs on a "
-                         "time-sliced shared machine; meaningless with --spinning 1)")
+                         "time-sliced shared machine; meaningless with --spinning always)")
     ap.add_argument("--profile", metavar="PREFIX", default="",
                     help="instead of the tables: run ONNX Runtime's profiler (trace written to PREFIX_<date>.json) "
                          "over --repeats forwards of each --new-tokens at each --contexts and print ms per op type")
@@ -293,11 +293,11 @@ def _main(a: argparse.Namespace) -> int:
         for d in a.bundle:
             for c in a.contexts:
                 for t in a.new_tokens:
-                    for line in profile_ops(d, c, t, a.repeats, a.threads[0], a.profile, a.precision, bool(a.spinning[0])):
+                    for line in profile_ops(d, c, t, a.repeats, a.threads[0], a.profile, a.precision, a.spinning[0]):
                         print(line, flush=True)
         return 0
     for line in run(a.bundle, a.backend, a.threads, a.contexts, a.new_tokens, a.repeats, a.decode_tokens, a.precision,
-                    [bool(x) for x in a.spinning], a.decode_rounds, a.clock):
+                    list(a.spinning), a.decode_rounds, a.clock):
         print(line, flush=True)
     return 0
 

@@ -18,10 +18,11 @@ from runtime.backends.base import PREFILL_CHUNK, TargetBackend, forward_in_chunk
 from runtime.drafters.base import DraftContext, Drafter, common_prefix_len
 from runtime.errors import RequestError
 from runtime.text.grammar import Grammar, GrammarState
-from runtime.sampling import SamplingParams, process_logits, process_logits_batch, sample
+from runtime.sampling import (SamplingParams, greedy_choices, plain_greedy, process_logits, process_logits_batch,
+                              sample)
 from runtime.speculation import AdaptivePolicy, Calibration
 from runtime.tree import DraftTree, verify_inputs
-from runtime.verify import verify_greedy, verify_sampled
+from runtime.verify import verify_greedy, verify_greedy_choices, verify_sampled
 
 FINISH_REASONS = ("eos", "stop", "max_tokens", "deadline", "cancelled")
 
@@ -305,10 +306,13 @@ class Engine:
         res = target.forward(tokens, positions, mask, taps_wanted)
         verify_s = time.perf_counter() - tv
         stats.verify_s += verify_s
-        histories = self._histories(context, tree) if params.repetition_penalty != 1.0 else ()
         masks = grammar.row_masks(tree) if grammar is not None else None
-        p = process_logits_batch(res.logits, params, histories, masks)
-        result = verify_greedy(tree, p) if params.greedy else self.sampled_verifier(tree, p, rng)
+        if plain_greedy(params, masks):  # the raw logits' argmax: no (T, V) distribution is built
+            result = verify_greedy_choices(tree, greedy_choices(res.logits))
+        else:
+            histories = self._histories(context, tree) if params.repetition_penalty != 1.0 else ()
+            p = process_logits_batch(res.logits, params, histories, masks)
+            result = verify_greedy(tree, p) if params.greedy else self.sampled_verifier(tree, p, rng)
         rows = [base] + [base + 1 + i for i in result.accepted]
         target.keep(base, rows)
         committed = [context[-1]] + [int(tree.tokens[i]) for i in result.accepted]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from runtime.tree import DraftTree, chain, empty_tree
-from runtime.verify import acceptance_probability, residual, verify_greedy, verify_sampled
+from runtime.verify import acceptance_probability, residual, verify_greedy, verify_greedy_choices, verify_sampled
 
 V = 6
 
@@ -179,3 +179,18 @@ def test_sampled_verification_with_greedy_rows_reproduces_greedy():
 def test_sampled_empty_tree_samples_the_root_row():
     res = verify_sampled(empty_tree(), np.array([[0.0, 0.0, 1.0]]), np.random.default_rng(0))
     assert res.accepted == [] and res.next_token == 2
+
+
+def test_greedy_verification_from_the_argmax_per_row_is_verify_greedy_on_the_distributions():
+    """The engine's plain-greedy path hands verification the (n+1,) argmaxes instead of (n+1, V) rows."""
+    rng = np.random.default_rng(4)
+    for n in (0, 1, 3, 6):
+        for _ in range(40):
+            parents = np.array([rng.integers(-1, i) for i in range(n)], np.int64)
+            tree = DraftTree(tokens=rng.integers(0, 3, n), parents=parents)
+            choices = rng.integers(0, 3, n + 1)
+            want = verify_greedy(tree, one_hot_rows(choices))
+            got = verify_greedy_choices(tree, choices)
+            assert (got.accepted, got.next_token) == (want.accepted, want.next_token)
+    with pytest.raises(ValueError, match="2 target choices, expected 3"):
+        verify_greedy_choices(chain([1, 2]), np.array([1, 2]))

@@ -72,6 +72,21 @@ def test_fused_graph_is_the_lean_contrib_op_graph(fused):
     assert not {"Pow", "ReduceMean", "Softmax", "Neg", "Concat", "Sin", "Cos"} & set(ops)
 
 
+def test_the_fused_graphs_taps_are_its_layers_own_tensors_with_no_node_run_for_them(fused, tmp_path):
+    """ONNX Runtime runs every node of a graph, bound output or not, so a node per tap would run on every plain
+    step: the graph with taps has the nodes of the graph without, plus one Identity where two taps name the same
+    tensor (layer_in.2 is layer_out.1); the taps' values are the reference's (test above)."""
+    import onnx
+
+    spec, weights, path = fused
+    bare = str(tmp_path / "bare.onnx")
+    export_fused_onnx(spec, weights, bare, taps=())
+    ops = lambda p: sorted(n.op_type for n in onnx.load(p, load_external_data=False).graph.node)
+    with_taps = ops(path)
+    with_taps.remove("Identity")  # the one alias: layer_out.1 of layer_in.2's tensor
+    assert with_taps == ops(bare)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_fp16_fused_graph_matches_numpy_within_the_fp16_tolerance(family, tmp_path):
     _, spec, weights = tiny_hf_model(family, seed=11)
@@ -135,6 +150,29 @@ def test_the_kv_blocks_are_bound_once_and_again_only_when_the_bound_taps_change(
     assert_same(ort_t.forward(tok, np.array([13]), taps=TAPS[:1]), ref.forward(tok, np.array([13]), taps=TAPS[:1]),
                 TAPS[:1])
     assert len(calls) == 4 * spec.num_layers  # the outputs changed: bound again
+
+
+def test_a_plain_step_binds_only_its_mask_and_logits_and_writes_ids_and_positions_in_place(fused):
+    """Host work per step: ids, positions and logits_from live in buffers bound once per T; a step of the same T
+    writes two numbers and binds only the attention mask (its shape grows) and the logits it returns. A change of
+    T (a verify, a prefill chunk) binds them again; every forward's logits are the reference's."""
+    spec, weights, path = fused
+    ort_t, ref = pair(spec, weights, path, taps=TAPS)
+    names = []
+    bind = ort_t._bind_input
+    ort_t._bind_input = lambda n, *a: (names.append(n), bind(n, *a))
+    rng = np.random.default_rng(9)
+    prompt = rng.integers(0, spec.vocab_size, 10)
+    assert_same(ort_t.forward(prompt, np.arange(10)), ref.forward(prompt, np.arange(10)))
+    steps = [(rng.integers(0, spec.vocab_size, 1), np.array([pos])) for pos in range(10, 14)]
+    steps.insert(2, (rng.integers(0, spec.vocab_size, 3), np.arange(12, 15)))  # a 2-node chain verify in between
+    steps[3:] = [(tok, pos + 3) for tok, pos in steps[3:]]
+    for tok, pos in steps:
+        names.clear()
+        assert_same(ort_t.forward(tok, pos), ref.forward(tok, pos))
+        first_of_its_t = len(tok) == 3 or pos[0] in (10, 15)
+        assert sorted(names) == (["attention_mask", "input_ids", "logits_from", "position_ids"] if first_of_its_t
+                                 else ["attention_mask"])
 
 
 def test_a_prefill_fetches_only_its_last_logits_row_from_the_fused_graph(fused):

@@ -34,3 +34,42 @@ def test_feeds_are_cast_to_the_dtype_the_graph_declares(tmp_path, graph_elem, gr
     assert got["y"].dtype == graph_dtype and got["pos"].dtype == np.int64
     np.testing.assert_array_equal(got["y"], 2 * x.astype(graph_dtype))
     np.testing.assert_array_equal(got["pos"], [4, 5])
+
+
+@pytest.mark.parametrize("mode, spin, stop", [("never", "0", "0"), ("run", "1", "1"), ("always", "1", "0")])
+def test_the_spinning_modes_set_ort_spinning_during_and_after_a_run(tmp_path, mode, spin, stop):
+    """backend.spinning: "run" lets the pool spin between a run's operators and stops it when the run returns
+    (session.force_spinning_stop), "never" never spins, "always" is ORT's default; a typo is refused by name."""
+    from runtime.backends.onnx_net import open_session
+    from runtime.errors import BackendError
+
+    path = scale_graph(str(tmp_path / "scale.onnx"), TensorProto.FLOAT)
+    opts = open_session(path, threads=2, spinning=mode).get_session_options()
+    assert (opts.get_session_config_entry("session.intra_op.allow_spinning"),
+            opts.get_session_config_entry("session.force_spinning_stop")) == (spin, stop)
+    with pytest.raises(BackendError, match="spinning 'fast'"):
+        open_session(path, spinning="fast")
+
+
+
+
+def test_the_configured_spinning_reaches_the_targets_session(monkeypatch):
+    """backend.spinning (default never) is what open_model gives the onnx target, unless a caller (bench_backend)
+    names another."""
+    import runtime.backends.onnx as onnx_backend
+    from runtime.backends.factory import open_model
+    from runtime.config import BackendConfig
+    from runtime.model.bundle import BackendFiles
+
+    got = []
+    monkeypatch.setattr(onnx_backend, "OnnxTarget", lambda *a, **k: got.append(k["spinning"]))
+
+    class Bundle:
+        root = "b"
+        path = staticmethod(lambda rel: rel)
+
+    files = BackendFiles(files=("onnx/target.fp32.onnx",))
+    for cfg, override in ((BackendConfig(kind="onnx"), None), (BackendConfig(kind="onnx", spinning="run"), None),
+                          (BackendConfig(kind="onnx", spinning="run"), "always")):
+        open_model(Bundle(), None, files, cfg, None, spinning=override)
+    assert got == ["never", "run", "always"]

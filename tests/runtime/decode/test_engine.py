@@ -216,3 +216,39 @@ def test_tau_counts_every_token_a_cycle_verified_even_those_after_eos(model, pla
     out = engine.generate(prompts(spec)[0], GREEDY, MAX_TOKENS)
     assert out.finish_reason == "eos" and out.tokens == expected[:cut]
     assert out.stats.cycles == 1 and out.stats.tau == 5.0
+
+
+def test_plain_greedy_cycles_verify_from_the_logits_argmax_without_building_distributions(model, plain_outputs,
+                                                                                           monkeypatch):
+    """Host work per cycle: greedy with nothing processing the logits (no allowed set, grammar or penalty) reads
+    each row's argmax in place; no (T, V) float64 distribution is made. The tokens are plain decoding's."""
+    import runtime.decode.engine as engine_module
+
+    spec, weights = model
+    built = []
+    batch = engine_module.process_logits_batch
+    monkeypatch.setattr(engine_module, "process_logits_batch", lambda *a, **k: (built.append(1), batch(*a, **k))[1])
+    for kind, draft in (("none", None), ("draft_model", perturbed(weights, 0.3))):
+        engine = make_engine(spec, weights, kind, draft, k=3, branching=2)
+        for prompt, expected in list(zip(prompts(spec), plain_outputs))[:6]:
+            assert engine.generate(prompt, GREEDY, MAX_TOKENS).tokens == expected
+    assert built == []
+    engine = make_engine(spec, weights)  # a repetition penalty processes the logits: the general path
+    engine.generate(prompts(spec)[0], SamplingParams(repetition_penalty=1.3), 4)
+    assert built
+
+
+def test_a_nan_logit_in_a_plain_greedy_cycle_is_refused_not_decoded(model):
+    spec, weights = model
+    engine = make_engine(spec, weights)
+    forward = engine.target.forward
+
+    def broken(tokens, *a, **k):
+        res = forward(tokens, *a, **k)
+        if len(tokens) == 1:  # the cycles' forwards, not the prefill's
+            res.logits[0, 3] = np.nan
+        return res
+
+    engine.target.forward = broken
+    with pytest.raises(ValueError, match="NaN"):
+        engine.generate(prompts(spec)[0], GREEDY, 4)
