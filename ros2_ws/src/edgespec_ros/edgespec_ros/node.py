@@ -8,8 +8,9 @@
     SIGINT/SIGTERM -> drain: refuse new requests, answer the queued ones, stop the running one, exit 0
 
 Requests are served one at a time (batch 1) from a RequestQueue; the service callbacks and the
-action's execution wait there in their own (reentrant) callback group while the diagnostics timer,
-the lifecycle services and cancel requests run in other groups of a MultiThreadedExecutor.
+action's execution wait there, in a reentrant callback group of a hidden helper node with its own
+MultiThreadedExecutor (edgespec_ros.request_node says why), while the diagnostics timer and the
+lifecycle and parameter services run on this node's executor.
 Uses only rclpy API common to Humble, Jazzy and Kilted.
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ from edgespec_ros.lifecycle import LifecycleMixin
 from edgespec_ros.pacing import AnswerPacer
 from edgespec_ros.parameters import declare_parameters
 from edgespec_ros.qos import REQUEST_QOS, action_qos_kwargs
+from edgespec_ros.request_node import RequestSpinner, create_request_node, request_name
 from edgespec_ros.request_queue import RequestQueue
 from edgespec_ros.serving import ServingMixin
 from runtime.errors import EdgespecError
@@ -76,12 +78,13 @@ class EdgespecNode(LifecycleMixin, ServingMixin, HealthMixin, DrainMixin, Lifecy
         self._diagnostics_group = MutuallyExclusiveCallbackGroup()
 
         # Every request reaches a callback, to be queued or refused: see edgespec_ros.qos.
-        self.create_service(Plan, "~/plan", self._on_plan, qos_profile=REQUEST_QOS,
-                            callback_group=self.generation_group)
-        self.create_service(ActionTokens, "~/action_tokens", self._on_action_tokens, qos_profile=REQUEST_QOS,
-                            callback_group=self.generation_group)
+        self.request_node = requests = create_request_node(self)
+        requests.create_service(Plan, request_name(self, "plan"), self._on_plan, qos_profile=REQUEST_QOS,
+                                callback_group=self.generation_group)
+        requests.create_service(ActionTokens, request_name(self, "action_tokens"), self._on_action_tokens,
+                                qos_profile=REQUEST_QOS, callback_group=self.generation_group)
         self._action_server = ActionServer(
-            self, Generate, "~/generate", execute_callback=self._on_generate,
+            requests, Generate, request_name(self, "generate"), execute_callback=self._on_generate,
             goal_callback=self._on_goal, cancel_callback=lambda _goal: CancelResponse.ACCEPT,
             callback_group=self._action_control_group, **action_qos_kwargs())
         self._stats_pub = self.create_publisher(DecodeStatsMsg, "~/stats", 10)
@@ -104,11 +107,12 @@ def main(args=None) -> int:
     received = []
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda num, _frame: received.append(signal.Signals(num).name))
-    node = executor = None
+    node = executor = request_spinner = None
     try:
         node = EdgespecNode()
-        executor = MultiThreadedExecutor(num_threads=node.queue.limit + 4)  # one per waiting request + control
+        executor = MultiThreadedExecutor(num_threads=4)  # lifecycle, parameters, diagnostics
         executor.add_node(node)
+        request_spinner = RequestSpinner(node.request_node, threads=node.queue.limit + 4).start()
         if node.p.autostart:
             if node.trigger_configure() == TransitionCallbackReturn.SUCCESS:
                 node.trigger_activate()
@@ -121,9 +125,12 @@ def main(args=None) -> int:
         print(f"edgespec_node: error: {exc}", file=sys.stderr)
         return 2
     finally:
+        if request_spinner is not None:
+            request_spinner.stop()
         if executor is not None:
             executor.shutdown()
         if node is not None:
+            node.request_node.destroy_node()
             node.destroy_node()
         rclpy.try_shutdown()
     return 0

@@ -1,0 +1,39 @@
+"""The node's request entities live on a hidden helper node with few entities (edgespec_ros.request_node says
+why: every wake-up of rclpy's executor rebuilds the wait set of everything on the node); the names clients
+use stay the node's own."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def node(ros_env):
+    import rclpy
+
+    from edgespec_ros.node import EdgespecNode
+
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    node = EdgespecNode(namespace="/robot", context=context)
+    try:
+        yield node
+    finally:
+        node.request_node.destroy_node()
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)
+
+
+def test_plan_action_tokens_and_generate_keep_the_nodes_names_on_a_hidden_helper_node(node):
+    helper = node.request_node
+    assert helper.get_name().startswith("_")  # hidden from `ros2 node list`
+    assert helper.get_namespace() == "/robot"
+    assert sorted(s.srv_name for s in helper.services) == ["/robot/edgespec/action_tokens", "/robot/edgespec/plan"]
+    assert [w for w in helper.waitables if type(w).__name__ == "ActionServer"]  # ~/generate
+
+
+def test_the_request_wait_set_holds_no_lifecycle_parameter_or_timer_entities(node):
+    helper = node.request_node
+    assert not list(helper.timers) and not list(helper.subscriptions)
+    assert not any(s.srv_name.startswith("/robot/edgespec/") and s.srv_name.rsplit("/", 1)[1] in
+                   ("plan", "action_tokens") for s in node.services)  # the lifecycle node's executor never wakes
+    assert len(list(helper.services)) == 2  # no parameter services: they stay on the lifecycle node
