@@ -180,6 +180,16 @@ class AdaptivePolicy:
     _rate: Dict[str, float] = field(default_factory=dict)  # ... and the rate it expects there
     _rules: Dict[str, "NodeRule"] = field(default_factory=dict)  # node_rule per template, until _best moves
     _probing: Dict[str, bool] = field(default_factory=dict)  # the template's last budget was a probe
+    # What the template's drafting cycles really earned: [tokens, seconds (by the cost model), cycles], decayed by
+    # `realized_decay` a cycle. The depth search trusts the chain formula, but the per-node rule may keep far fewer
+    # nodes than it plans for (or none, after the drafter's fixed cost is paid): once `realized_min` cycles say
+    # drafting earns less than `realized_floor` of plain steps' rate, the template drafts nothing but probes.
+    realized: Dict[str, List[float]] = field(default_factory=dict)
+    realized_decay: float = 0.9
+    realized_min: float = 4.0
+    realized_floor: float = 0.97  # (a clear loss: the rule's own plan keeps a near-even template drafting)
+    _handed: Dict[str, int] = field(default_factory=dict)  # the budget the template's last cycle got
+    _kept: Dict[str, int] = field(default_factory=dict)  # ... and the nodes it drafted (observe_nodes)
     # Per-node early stopping (NodeRule): where drafting pays, the drafter gets k_max nodes and keeps each only
     # while its calibrated gain beats its cost; the depth search above then only decides whether to draft at all.
     per_node: bool = True
@@ -194,26 +204,34 @@ class AdaptivePolicy:
         """The node budget for the next cycle of a request of template `key`."""
         k = self.budget_depth(key)  # recomputed only when its inputs moved: a cycle that drafts nothing costs a lookup
         self._probing[key] = False
+        b = 0
         if k > 0:
             self.idle[key] = 0
             self.interval[key] = self.probe_every
-            return self.k_max if self.per_node else k
-        self.idle[key] = self.idle.get(key, 0) + 1
-        if self.probe_every and self.idle[key] >= self.interval.get(key, self.probe_every):
-            self.idle[key] = 0
-            self.probes += 1
-            self._probing[key] = True
-            return min(self.probe_depth, self.k_max)
-        self.skipped += 1
-        return 0
+            b = self.k_max if self.per_node else k
+        else:
+            self.idle[key] = self.idle.get(key, 0) + 1
+            if self.probe_every and self.idle[key] >= self.interval.get(key, self.probe_every):
+                self.idle[key] = 0
+                self.probes += 1
+                self._probing[key] = True
+                b = min(self.probe_depth, self.k_max)
+            else:
+                self.skipped += 1
+        self._handed[key] = b
+        return b
 
     def budget_depth(self, key: str) -> int:
         """The best depth of the template as its acceptance stands (0: plain steps pay best), without taking a
         cycle's budget."""
         if key not in self._best:
             alphas, cost = self.tracker(key).alphas(self.k_max), self.current_cost()
-            self._best[key] = best_depth(alphas, cost, self.k_max)
-            self._rate[key] = rate(alphas, cost, self._best[key])
+            k = best_depth(alphas, cost, self.k_max)
+            tokens, seconds, cycles = self.realized.get(key, (0.0, 0.0, 0.0))
+            if k > 0 and cycles >= self.realized_min and tokens / seconds < self.realized_floor / cost.verify_s(1):
+                k = 0  # planned to pay, measured not to: plain steps (and probes) until the drafts earn again
+            self._best[key] = k
+            self._rate[key] = rate(alphas, cost, k)
         return self._best[key]
 
     def calibration(self, key: str) -> Calibration:
@@ -240,12 +258,21 @@ class AdaptivePolicy:
     def observe_nodes(self, key: str, confidence: Sequence[float], accepted: Sequence[bool]) -> None:
         """The cycle's drafted nodes: path confidences and which were accepted (the calibration learns on)."""
         self.calibration(key).observe(confidence, accepted)
+        self._kept[key] = len(confidence)
 
     def observe(self, key: str, drafted: int, accepted: int, verify_rows: int, verify_s: float,
                 draft_s: float) -> None:
         """What the cycle drafted (its depth), accepted, and how long its verify and drafting took."""
         self.tracker(key).observe(drafted, accepted)
-        if drafted > 0:
+        nodes = self._kept.pop(key, drafted)
+        proposed = self._handed.pop(key, 0) > 0
+        if proposed:  # the drafter ran: its fixed cost is paid even where it kept no node
+            c = self.current_cost()
+            seconds = c.verify_s(nodes + 1) + c.draft_fixed + c.draft_per_node * nodes
+            old = self.realized.get(key, (0.0, 0.0, 0.0))
+            d = self.realized_decay
+            self.realized[key] = [d * old[0] + 1.0 + accepted, d * old[1] + seconds, d * old[2] + 1.0]
+        if drafted > 0 or proposed:
             self._best.pop(key, None)  # its acceptance moved
             self._rules.pop(key, None)
         if self._probing.pop(key, False):

@@ -312,3 +312,21 @@ def test_a_sampled_node_keeps_the_depth_its_template_has_earned_when_the_calibra
     q = np.full(64, 1 / 64)  # a flat proposal: its draw's own confidence is tiny
     assert rule.drawn_gain(1.0, q) < rule.margin(0)  # by the calibration alone: cut
     assert rule.drawn_gain(1.0, q, depth=1) >= rule.margin(0)  # by what depth 1 earned here: kept
+
+
+def test_a_template_whose_drafts_the_node_rule_cuts_to_nothing_goes_back_to_plain_steps():
+    """The tune believed the template's chains pay (alphas 0.9), but in its cycles the per-node rule keeps no node
+    after the drafter's fixed cost is paid (a step's worth here): what those cycles earned, not the plan, decides,
+    and after a few the template drafts nothing but probes."""
+    from runtime.serving.tuning import seeded_tracker
+    policy = AdaptivePolicy(CostModel(((1, 1.0), (5, 1.2)), draft_fixed=1.0, draft_per_node=0.02), 4,
+                            probe_every=16)
+    policy.trackers["text/greedy"] = seeded_tracker([0.9] * 4, 8)
+    budgets = []
+    for _ in range(40):
+        b = policy.budget("text/greedy")
+        budgets.append(b)
+        if b:
+            policy.observe_nodes("text/greedy", [], [])  # the rule kept none of the budget's nodes
+        policy.observe("text/greedy", 0, 0, 1, 1.0, 1.0)
+    assert budgets[0] == 4 and budgets[10:].count(0) >= 29, budgets
