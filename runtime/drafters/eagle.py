@@ -295,16 +295,14 @@ class EagleDrafter(Drafter):
 
     def begin(self, prompt: Sequence[int], taps: Dict[str, np.ndarray], start: int = 0) -> None:
         self.reset()  # (start is always 0: reusable_prefix keeps nothing)
-        self.pending = self._features(taps)
+        # projected when the head first runs: a request an adaptive shape never drafts in projects nothing
+        self._feats, self._raw = None, [self._fuse(taps)]
 
     def accept(self, accepted_nodes, committed, taps) -> None:
         self.cache.keep(self.committed_rows, [])  # drop the drafted rows
         # Appended, not replaced: after a cycle that drafted nothing (an adaptive shape's plain step) the rows
         # of the cycle before are still waiting to be run.
-        if self._feats is None and not self._raw:
-            self._feats = self._features(taps)
-        else:
-            self._raw.append(self._fuse(taps))  # projected when the head next runs (`pending`)
+        self._raw.append(self._fuse(taps))  # projected when the head next runs (`pending`)
 
     def _catch_up(self, tokens: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
         """Run the rows of newly committed positions: row t = (feature f_t, token x_{t+1}). Returns the last
