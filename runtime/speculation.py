@@ -158,21 +158,38 @@ class AcceptanceTracker:
 class AdaptivePolicy:
     """Chooses each cycle's node budget per request template ("planner", "action", "text", ...): the best-rate
     depth under `cost` (fixed when tuned; learnt from the cycles' own timings when `learn_costs`), with a probe
-    of `probe_depth` nodes every `probe_every` cycles while the best is to draft nothing."""
+    of `probe_depth` nodes every `probe_every` cycles while the best is to draft nothing. A probe costs more than
+    its nodes (a draft model or EAGLE head first catches up on every token committed since it last ran), so each
+    probe that leaves the best at nothing doubles the template's interval, up to `probe_max` cycles; one that is
+    accepted whole, or makes drafting pay, brings it back to `probe_every`."""
     cost: CostModel
     k_max: int
     learn_costs: bool = False
     probe_every: int = 16
     probe_depth: int = 2
+    probe_max: int = 256
     prior: float = 0.5
     trackers: Dict[str, AcceptanceTracker] = field(default_factory=dict)
     idle: Dict[str, int] = field(default_factory=dict)  # cycles since the last draft, per template
+    interval: Dict[str, int] = field(default_factory=dict)  # idle cycles before the next probe, per template
     skipped: int = 0  # cycles that drafted nothing because the rule said so
     probes: int = 0
     _verify: Dict[int, float] = field(default_factory=dict)  # learnt seconds per verify rows (EMA)
     _draft: Optional[float] = None  # learnt seconds per drafted node (EMA)
     _best: Dict[str, int] = field(default_factory=dict)  # best_depth per template, until its inputs change
     _rate: Dict[str, float] = field(default_factory=dict)  # ... and the rate it expects there
+    _rules: Dict[str, "NodeRule"] = field(default_factory=dict)  # node_rule per template, until _best moves
+    _probing: Dict[str, bool] = field(default_factory=dict)  # the template's last budget was a probe
+    # What the template's drafting cycles really earned: [tokens, seconds (by the cost model), cycles], decayed by
+    # `realized_decay` a cycle. The depth search trusts the chain formula, but the per-node rule may keep far fewer
+    # nodes than it plans for (or none, after the drafter's fixed cost is paid): once `realized_min` cycles say
+    # drafting earns less than `realized_floor` of plain steps' rate, the template drafts nothing but probes.
+    realized: Dict[str, List[float]] = field(default_factory=dict)
+    realized_decay: float = 0.9
+    realized_min: float = 4.0
+    realized_floor: float = 0.97  # (a clear loss: the rule's own plan keeps a near-even template drafting)
+    _handed: Dict[str, int] = field(default_factory=dict)  # the budget the template's last cycle got
+    _kept: Dict[str, int] = field(default_factory=dict)  # ... and the nodes it drafted (observe_nodes)
     # Per-node early stopping (NodeRule): where drafting pays, the drafter gets k_max nodes and keeps each only
     # while its calibrated gain beats its cost; the depth search above then only decides whether to draft at all.
     per_node: bool = True
@@ -185,21 +202,37 @@ class AdaptivePolicy:
 
     def budget(self, key: str) -> int:
         """The node budget for the next cycle of a request of template `key`."""
-        k = self._best.get(key)
-        if k is None:  # recomputed only when what it depends on moved: a cycle that drafts nothing costs a lookup
-            alphas, cost = self.tracker(key).alphas(self.k_max), self.current_cost()
-            k = self._best[key] = best_depth(alphas, cost, self.k_max)
-            self._rate[key] = rate(alphas, cost, k)
+        k = self.budget_depth(key)  # recomputed only when its inputs moved: a cycle that drafts nothing costs a lookup
+        self._probing[key] = False
+        b = 0
         if k > 0:
             self.idle[key] = 0
-            return self.k_max if self.per_node else k
-        self.idle[key] = self.idle.get(key, 0) + 1
-        if self.probe_every and self.idle[key] >= self.probe_every:
-            self.idle[key] = 0
-            self.probes += 1
-            return min(self.probe_depth, self.k_max)
-        self.skipped += 1
-        return 0
+            self.interval[key] = self.probe_every
+            b = self.k_max if self.per_node else k
+        else:
+            self.idle[key] = self.idle.get(key, 0) + 1
+            if self.probe_every and self.idle[key] >= self.interval.get(key, self.probe_every):
+                self.idle[key] = 0
+                self.probes += 1
+                self._probing[key] = True
+                b = min(self.probe_depth, self.k_max)
+            else:
+                self.skipped += 1
+        self._handed[key] = b
+        return b
+
+    def budget_depth(self, key: str) -> int:
+        """The best depth of the template as its acceptance stands (0: plain steps pay best), without taking a
+        cycle's budget."""
+        if key not in self._best:
+            alphas, cost = self.tracker(key).alphas(self.k_max), self.current_cost()
+            k = best_depth(alphas, cost, self.k_max)
+            tokens, seconds, cycles = self.realized.get(key, (0.0, 0.0, 0.0))
+            if k > 0 and cycles >= self.realized_min and tokens / seconds < self.realized_floor / cost.verify_s(1):
+                k = 0  # planned to pay, measured not to: plain steps (and probes) until the drafts earn again
+            self._best[key] = k
+            self._rate[key] = rate(alphas, cost, k)
+        return self._best[key]
 
     def calibration(self, key: str) -> Calibration:
         """The confidence calibration of the key's temperature class ("planner/greedy" -> "greedy")."""
@@ -209,25 +242,48 @@ class AdaptivePolicy:
         return self.calibrations[cls]
 
     def node_rule(self, key: str) -> Optional["NodeRule"]:
-        """The per-node rule for the cycle `budget(key)` just sized (None when per-node stopping is off)."""
-        if not self.per_node:
+        """The per-node rule for the cycle `budget(key)` just sized (None when per-node stopping is off, and for a
+        probe: it drafts its few nodes whole, since it is there to measure them and its catch-up is paid anyway).
+        Built again only when the template's best depth is recomputed (its acceptance or the costs moved)."""
+        if not self.per_node or self._probing.get(key):
             return None
-        cost = self.current_cost()
-        return NodeRule.make(cost, self.calibration(key), self._rate.get(key) or 1.0 / cost.verify_s(1), self.k_max)
+        rule = self._rules.get(key)
+        if rule is None:
+            cost = self.current_cost()
+            reach = tuple(np.cumprod(self.tracker(key).alphas(self.k_max)).tolist())
+            rule = self._rules[key] = NodeRule.make(cost, self.calibration(key),
+                                                    self._rate.get(key) or 1.0 / cost.verify_s(1), self.k_max, reach)
+        return rule
 
     def observe_nodes(self, key: str, confidence: Sequence[float], accepted: Sequence[bool]) -> None:
         """The cycle's drafted nodes: path confidences and which were accepted (the calibration learns on)."""
         self.calibration(key).observe(confidence, accepted)
+        self._kept[key] = len(confidence)
 
     def observe(self, key: str, drafted: int, accepted: int, verify_rows: int, verify_s: float,
                 draft_s: float) -> None:
         """What the cycle drafted (its depth), accepted, and how long its verify and drafting took."""
         self.tracker(key).observe(drafted, accepted)
-        if drafted > 0:
+        nodes = self._kept.pop(key, drafted)
+        proposed = self._handed.pop(key, 0) > 0
+        if proposed:  # the drafter ran: its fixed cost is paid even where it kept no node
+            c = self.current_cost()
+            seconds = c.verify_s(nodes + 1) + c.draft_fixed + c.draft_per_node * nodes
+            old = self.realized.get(key, (0.0, 0.0, 0.0))
+            d = self.realized_decay
+            self.realized[key] = [d * old[0] + 1.0 + accepted, d * old[1] + seconds, d * old[2] + 1.0]
+        if drafted > 0 or proposed:
             self._best.pop(key, None)  # its acceptance moved
+            self._rules.pop(key, None)
+        if self._probing.pop(key, False):
+            # a probe taken whole is evidence the template may pay again: probe soon, not after the longest wait
+            again = self.budget_depth(key) > 0 or (drafted > 0 and accepted >= drafted)
+            every = self.interval.get(key, self.probe_every)
+            self.interval[key] = self.probe_every if again else min(self.probe_max, 2 * every)
         if not self.learn_costs:
             return
         self._best.clear()  # the costs move with every cycle's timing
+        self._rules.clear()
         old = self._verify.get(verify_rows)
         self._verify[verify_rows] = verify_s if old is None else 0.8 * old + 0.2 * verify_s
         if drafted > 0:
@@ -391,10 +447,16 @@ class NodeRule:
     rate: float  # expected tokens per second of the cycle (units of the cost model)
     # Marginal verify seconds of node n + 1 at [n] (`marginal_verify`); empty: read off the cost model directly
     slopes: Tuple[float, ...] = ()
+    # [d-1]: how often the template's nodes at depth d were accepted (the product of its past cycles' conditional
+    # acceptance, AcceptanceTracker): the floor of a SAMPLED node's gain. The calibration pools every template
+    # and depth of a temperature class, and a sampled token's q says little of its fate (at T = 1 a chain the
+    # target takes 4 tokens of was believed right ~1/3 of the time at every depth); depth, per template, does.
+    reach: Tuple[float, ...] = ()
 
     @staticmethod
-    def make(cost: CostModel, calibration: Calibration, rate: float, k_max: int) -> "NodeRule":
-        return NodeRule(cost, calibration, rate, marginal_verify(cost, k_max))
+    def make(cost: CostModel, calibration: Calibration, rate: float, k_max: int,
+             reach: Sequence[float] = ()) -> "NodeRule":
+        return NodeRule(cost, calibration, rate, marginal_verify(cost, k_max), tuple(float(r) for r in reach))
 
     def margin(self, nodes: int) -> float:
         """Tokens the (nodes + 1)-th node must earn to pay for itself."""
@@ -413,9 +475,11 @@ class NodeRule:
         confidence."""
         return float(self.calibration(path_confidence))
 
-    def drawn_gain(self, parent_confidence: float, q: np.ndarray) -> float:
+    def drawn_gain(self, parent_confidence: float, q: np.ndarray, depth: int = 0) -> float:
         """Expected gain of a SAMPLED node under `parent_confidence`, averaged over its proposal q (V,): it never
         reads the drawn token, so dropping the node is independent of the draw and the verifier stays exact.
+        With its `depth` (1 = a child of the root) it is at least what the template's nodes at that depth were
+        accepted at (`reach`), also history only.
 
         >>> cal = Calibration(prior_weight=0.0)
         >>> cal.observe([0.55, 0.95], [False, True])  # half-sure nodes were rejected, sure ones accepted
@@ -423,7 +487,10 @@ class NodeRule:
         >>> rule.drawn_gain(1.0, np.array([0.5, 0.5])), round(rule.drawn_gain(1.0, np.array([0.025, 0.975])), 3)
         (0.0, 0.975)"""
         live = q[q > 0]
-        return float(np.dot(live, self.calibration(parent_confidence * live)))
+        gain = float(np.dot(live, self.calibration(parent_confidence * live)))
+        if 0 < depth <= len(self.reach):
+            gain = max(gain, self.reach[depth - 1])
+        return gain
 
     def keep_chain(self, qs: Sequence[np.ndarray], confidence: Sequence[float], deterministic: bool,
                    nodes: int = 0) -> int:
@@ -437,7 +504,7 @@ class NodeRule:
         2"""
         parent = 1.0
         for t, c in enumerate(confidence):
-            g = self.fixed_gain(parent * c) if deterministic else self.drawn_gain(parent, qs[t])
+            g = self.fixed_gain(parent * c) if deterministic else self.drawn_gain(parent, qs[t], nodes + t + 1)
             if not self.pays(g, nodes + t):
                 return t
             parent *= c

@@ -293,7 +293,8 @@ class Engine:
             if self.policy is not None:
                 max_nodes = min(max_nodes, self.policy.budget(key))
                 budgets.append(max_nodes)
-                stop = self.policy.node_rule(key)  # from past cycles and the cost model only
+                # from past cycles and the cost model only; not even built for a plain step (that must stay ~free)
+                stop = self.policy.node_rule(key) if max_nodes > 0 else None
             if max_nodes > 0:
                 allowed = grammar.allowed if grammar is not None else None
                 record = self.record_confidence or self.policy is not None

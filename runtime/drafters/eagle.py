@@ -176,7 +176,7 @@ class EagleDrafter(Drafter):
                 raise BundleError(f"{source}: params.tap_layers {layers!r}: expected three target layer indices")
             self.target_taps = tuple(f"layer_in.{int(i)}" for i in layers)
         self.committed_rows = 0
-        self.pending: Optional[np.ndarray] = None  # (n, H) features of committed positions not yet run
+        self.pending = None  # (n, H) features of committed positions not yet run (a property: see `pending`)
         # the step on its own cache: as an ONNX graph (runtime/backends/onnx_net.OnnxNet) when given, else numpy
         self.head_runner = HeadRunner(cache, net, inputs=("input_ids", "features", "position_ids", "attention_mask"),
                                       outputs=("logits", "hidden"))
@@ -198,12 +198,33 @@ class EagleDrafter(Drafter):
 
     # -- the draft layer --------------------------------------------------------------------------
 
-    def _features(self, taps: Dict[str, np.ndarray]) -> np.ndarray:
-        """Target taps at committed positions -> the draft layer's input features (n, H)."""
+    @property
+    def pending(self) -> Optional[np.ndarray]:
+        """(n, H) features of the committed positions not yet run. The taps of cycles that drafted nothing wait
+        raw and are projected (EAGLE-3's fc) in one batched product when the head next runs, so that a plain
+        step of an adaptive shape pays no head work."""
+        if self._raw:
+            new = self._project(np.concatenate(self._raw))
+            self._feats = new if self._feats is None else np.concatenate([self._feats, new])
+            self._raw = []
+        return self._feats
+
+    @pending.setter
+    def pending(self, features: Optional[np.ndarray]) -> None:
+        self._feats, self._raw = features, []
+
+    def _fuse(self, taps: Dict[str, np.ndarray]) -> np.ndarray:
+        """Target taps at committed positions -> (n, H) (EAGLE-1's final norm) or (n, 3H) (EAGLE-3's three)."""
         if self.kind == "eagle":
             return np.asarray(taps["final_norm"], np.float32)
-        fused = np.concatenate([np.asarray(taps[t], np.float32) for t in self.target_taps], axis=-1)  # (n, 3H)
-        return fused @ self.w["fc.weight"].T
+        return np.concatenate([np.asarray(taps[t], np.float32) for t in self.target_taps], axis=-1)
+
+    def _project(self, fused: np.ndarray) -> np.ndarray:
+        return fused if self.kind == "eagle" else fused @ self.w["fc.weight"].T  # (n, H)
+
+    def _features(self, taps: Dict[str, np.ndarray]) -> np.ndarray:
+        """Target taps at committed positions -> the draft layer's input features (n, H)."""
+        return self._project(self._fuse(taps))
 
     def _run(self, features: np.ndarray, tokens: Sequence[int], positions: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """Draft-layer rows for (features (T, H), tokens (T,)) at `positions`, appended to the cache, in numpy -> h' (T, H)."""
@@ -274,14 +295,14 @@ class EagleDrafter(Drafter):
 
     def begin(self, prompt: Sequence[int], taps: Dict[str, np.ndarray], start: int = 0) -> None:
         self.reset()  # (start is always 0: reusable_prefix keeps nothing)
-        self.pending = self._features(taps)
+        # projected when the head first runs: a request an adaptive shape never drafts in projects nothing
+        self._feats, self._raw = None, [self._fuse(taps)]
 
     def accept(self, accepted_nodes, committed, taps) -> None:
         self.cache.keep(self.committed_rows, [])  # drop the drafted rows
         # Appended, not replaced: after a cycle that drafted nothing (an adaptive shape's plain step) the rows
         # of the cycle before are still waiting to be run.
-        new = self._features(taps)
-        self.pending = new if self.pending is None else np.concatenate([self.pending, new])
+        self._raw.append(self._fuse(taps))  # projected when the head next runs (`pending`)
 
     def _catch_up(self, tokens: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
         """Run the rows of newly committed positions: row t = (feature f_t, token x_{t+1}). Returns the last

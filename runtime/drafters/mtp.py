@@ -288,7 +288,7 @@ class MTPDrafter(Drafter):
                 h_last = h_last[-1:]
             m = ctx.mask(drafted)
             q = process_logits(logits, ctx.params, seq, m)
-            if stop is not None and not greedy and not stop.pays(stop.drawn_gain(path, q), j):
+            if stop is not None and not greedy and not stop.pays(stop.drawn_gain(path, q, j + 1), j):
                 break  # decided on q before the draw (exact)
             t = pick(q, ctx.params, ctx.rng)
             c = path * node_confidence(logits, q, t, ctx.params, seq, m) if ctx.wants_confidence else 1.0

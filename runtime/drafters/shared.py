@@ -78,6 +78,7 @@ def grow_chains(ctx, history: List[int], root_logits: np.ndarray, width: int, de
     Example, width 2, depth 2, greedy: the root's top-2 tokens a, b; one run over [a, b] -> their argmaxes c, d:
     tokens (a, b, c, d), parents (-1, -1, 0, 1)."""
     params, stop, want = ctx.params, ctx.stop, ctx.wants_confidence
+    chain = int(width == 1)  # a sampled node's depth floors its gain (NodeRule.reach) in a chain only: siblings share it
     mask0 = ctx.mask(())  # the request's grammar, applied to q exactly as to p
     q0 = process_logits(root_logits, params, history, mask0)
     firsts = pick_children(root_logits, q0, params, history, width, ctx.rng, rule, mask0)
@@ -89,7 +90,7 @@ def grow_chains(ctx, history: List[int], root_logits: np.ndarray, width: int, de
     for j, t in enumerate(firsts.tokens.tolist()):
         q = q0 if deterministic else firsts.proposals[j]
         c = node_confidence(root_logits, q, t, params, history, mask0) if want else 1.0
-        if stop is not None and not stop.pays(stop.fixed_gain(c) if deterministic else stop.drawn_gain(1.0, q), j):
+        if stop is not None and not stop.pays(stop.fixed_gain(c) if deterministic else stop.drawn_gain(1.0, q, chain), j):
             break  # siblings come best first: the rest pay less
         tokens.append(t)
         parents.append(-1)
@@ -107,7 +108,8 @@ def grow_chains(ctx, history: List[int], root_logits: np.ndarray, width: int, de
             path = [tokens[a] for a in path_to(parents, node)]
             m = ctx.mask(path)
             q = process_logits(logits[j], params, history + path, m)
-            if stop is not None and not deterministic and not stop.pays(stop.drawn_gain(conf[node], q), len(tokens)):
+            if stop is not None and not deterministic and not stop.pays(stop.drawn_gain(conf[node], q, chain * (d + 1)),
+                                                                              len(tokens)):
                 continue  # decided before looking at the draw (exact)
             t = pick(q, params, ctx.rng)
             c = conf[node] * node_confidence(logits[j], q, t, params, history + path, m) if want else 1.0

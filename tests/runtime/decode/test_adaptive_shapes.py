@@ -11,7 +11,7 @@ import pytest
 from runtime.certify.run import certify
 from runtime.sampling import SamplingParams
 from runtime.serving.session import GenerationParams, Session
-from runtime.speculation import AcceptanceTracker, AdaptivePolicy, CostModel, best_depth
+from runtime.speculation import AcceptanceTracker, AdaptivePolicy, Calibration, CostModel, best_depth
 from runtime.text.prompts import action_prompt, planner_prompt
 from runtime.tree import DraftTree
 from tests.runtime.certify.test_certify import ALPHA, CONTEXT, always_accept
@@ -246,3 +246,87 @@ def test_a_cycles_draft_shape_never_depends_on_the_targets_outputs_for_that_cycl
         assert trees[0] != trees[1], "the control rule peeked at the target and should have drafted differently"
     else:
         assert trees[0] == trees[1] and len(trees[0][0]) > 0, trees
+
+
+def run_idle_template(policy: AdaptivePolicy, key: str, cycles: int, accepted: int = 0) -> int:
+    """`cycles` cycles of a template whose drafts get `accepted` tokens each; returns how many drafted."""
+    drafted = 0
+    for _ in range(cycles):
+        b = policy.budget(key)
+        if b:
+            drafted += 1
+        policy.observe(key, b, min(b, accepted), b + 1, 1.0, 0.1)
+    return drafted
+
+
+def test_each_probe_that_does_not_pay_doubles_the_wait_before_the_next_one():
+    """A probe costs a catch-up on every token since the drafter last ran, so a template where drafting never
+    pays is probed ever more rarely (after 16, 32, 64, 128, 256 cycles, then every 256): 5 probes in 600 cycles, not 37."""
+    policy = AdaptivePolicy(CostModel(((1, 1.0), (2, 1.5))), 4, probe_every=16, probe_max=256, prior=0.1)
+    assert run_idle_template(policy, "action/greedy", 600) == 5
+    assert policy.interval["action/greedy"] == 256
+    # where drafting pays again, the first probe taken whole brings the short interval back, and drafting follows
+    assert run_idle_template(policy, "action/greedy", 600, accepted=4) > 300
+    assert policy.interval["action/greedy"] == 16
+
+
+def test_a_probe_drafts_its_nodes_whole_and_a_plain_step_builds_no_node_rule():
+    """A probe is there to measure its nodes (its catch-up is paid anyway), so no per-node rule cuts it; and the
+    engine builds no rule at all for a cycle that drafts nothing."""
+    policy = AdaptivePolicy(CostModel(((1, 1.0), (2, 1.5))), 4, probe_every=3, prior=0.1)
+    budgets = [policy.budget("text/greedy") for _ in range(3)]
+    assert budgets == [0, 0, 2] and policy.node_rule("text/greedy") is None
+    needs_zoo()
+
+    class Counting(AdaptivePolicy):
+        rules = drafting = 0
+
+        def budget(self, key):
+            b = super().budget(key)
+            Counting.drafting += b > 0
+            return b
+
+        def node_rule(self, key):
+            Counting.rules += 1
+            return super().node_rule(key)
+
+    s = Session.open(ZOO, drafter="ngram")
+    s.engine.policy = Counting(CostModel(((1, 1.0), (2, 1.6))), 4, probe_every=3, prior=0.05)
+    out = s.generate(PROMPTS[1], GenerationParams(max_tokens=24))
+    s.close()
+    assert out.stats.skipped_cycles > 0 and 0 < Counting.rules == Counting.drafting, out.stats
+
+
+def test_a_sampled_node_keeps_the_depth_its_template_has_earned_when_the_calibration_says_little():
+    """At T = 1 a drafted token's q says little of its fate: the pooled calibration believed every sampled node
+    right ~1/3 of the time, so MTP's chains were cut at once where the template's first node was accepted 9 times
+    in 10. The node's depth, per template (history only), floors its gain."""
+    policy = AdaptivePolicy(CostModel(((1, 1.0), (2, 1.1), (5, 1.4)), draft_per_node=0.05), 4, prior=0.5)
+    flat = Calibration(prior_weight=0.0)
+    flat.observe([0.01, 0.2, 0.5, 0.9] * 30, [True, False, False] * 40)  # ~1/3 at every confidence
+    policy.calibrations["sampled"] = flat
+    for _ in range(50):
+        policy.observe("text/sampled", 4, 4 if np.random.default_rng(_).random() < 0.9 else 0, 5, 1.4, 0.1)
+    assert policy.budget("text/sampled") > 0
+    rule = policy.node_rule("text/sampled")
+    q = np.full(64, 1 / 64)  # a flat proposal: its draw's own confidence is tiny
+    assert rule.drawn_gain(1.0, q) < rule.margin(0)  # by the calibration alone: cut
+    assert rule.drawn_gain(1.0, q, depth=1) >= rule.margin(0)  # by what depth 1 earned here: kept
+
+
+def test_a_template_whose_drafts_the_node_rule_cuts_to_nothing_goes_back_to_plain_steps():
+    """The tune believed the template's chains pay (alphas 0.9), but in its cycles the per-node rule keeps no node
+    after the drafter's fixed cost is paid (a step's worth here): what those cycles earned, not the plan, decides,
+    and after a few the template drafts nothing but probes."""
+    from runtime.serving.tuning import seeded_tracker
+    policy = AdaptivePolicy(CostModel(((1, 1.0), (5, 1.2)), draft_fixed=1.0, draft_per_node=0.02), 4,
+                            probe_every=16)
+    policy.trackers["text/greedy"] = seeded_tracker([0.9] * 4, 8)
+    budgets = []
+    for _ in range(40):
+        b = policy.budget("text/greedy")
+        budgets.append(b)
+        if b:
+            policy.observe_nodes("text/greedy", [], [])  # the rule kept none of the budget's nodes
+        policy.observe("text/greedy", 0, 0, 1, 1.0, 1.0)
+    assert budgets[0] == 4 and budgets[10:].count(0) >= 29, budgets

@@ -256,3 +256,29 @@ def test_dynamic_trees_at_temperature_0_8_keep_the_first_two_tokens_law_and_a_wr
     claim_draws_from_q(s, monkeypatch)
     results = certify(s, contexts, T08, draws=DRAWS, alpha=ALPHA, seed=12)
     assert any(not r.passed for r in results), results
+
+
+def test_cycles_that_draft_nothing_leave_eagle3s_taps_unprojected_until_the_head_next_runs(model):
+    """An adaptive shape's plain step must cost the drafter ~nothing: the taps of cycles it did not draft in wait
+    raw (the prompt's too) and go through EAGLE-3's fc in ONE product when the head next runs, giving the features row-wise
+    projection would (and the same drafts and output: greedy stays plain decoding's)."""
+    from runtime.speculation import AdaptivePolicy, CostModel
+    s = session(model, "eagle3")
+    drafter = s.drafter
+    calls = []
+    features = drafter._features  # taps -> projected features, at once
+    drafter._features = lambda taps: calls.append(len(next(iter(taps.values())))) or features(taps)
+    # every verify row costs a full step: the rule drafts nothing but a probe every 5 cycles
+    s.engine.policy = AdaptivePolicy(CostModel(((1, 1.0), (2, 2.0))), 3, probe_every=5, prior=0.05)
+    prompt = [5, 6, 7, 8, 9]
+    out = s.engine.generate(prompt, SamplingParams(), 30)
+    assert out.tokens == Engine(s.target, None).generate(prompt, SamplingParams(), 30).tokens
+    assert out.stats.skipped_cycles > 10
+    assert calls == [], calls  # none at begin nor per cycle: the probes project what waits in one batch
+    drafter._features = features
+    taps = {t: np.random.default_rng(i).standard_normal((4, model[0].hidden_size)).astype(np.float32)
+            for i, t in enumerate(drafter.target_taps)}
+    drafter.pending = drafter._features({t: v[:1] for t, v in taps.items()})
+    for r in range(1, 4):
+        drafter.accept([], [0], {t: v[r:r + 1] for t, v in taps.items()})
+    np.testing.assert_allclose(drafter.pending, drafter._features(taps), rtol=1e-5, atol=1e-5)
