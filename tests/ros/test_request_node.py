@@ -37,3 +37,25 @@ def test_the_request_wait_set_holds_no_lifecycle_parameter_or_timer_entities(nod
     assert not any(s.srv_name.startswith("/robot/edgespec/") and s.srv_name.rsplit("/", 1)[1] in
                    ("plan", "action_tokens") for s in node.services)  # the lifecycle node's executor never wakes
     assert len(list(helper.services)) == 2  # no parameter services: they stay on the lifecycle node
+
+
+def test_the_processs_remappings_still_rename_the_request_services_and_action(ros_env):
+    import rclpy
+    import rclpy.action
+
+    from edgespec_ros.node import EdgespecNode
+
+    context = rclpy.Context()
+    rclpy.init(context=context, args=["--ros-args", "-r", "/remapped/edgespec/plan:=/remapped/planner",
+                                      "-r", "/remapped/edgespec/generate:=/remapped/speak"])
+    node = EdgespecNode(namespace="/remapped", context=context)
+    try:
+        names = sorted(s.srv_name for s in node.request_node.services)
+        assert names == ["/remapped/edgespec/action_tokens", "/remapped/planner"]
+        actions = rclpy.action.get_action_server_names_and_types_by_node(
+            node.request_node, node.request_node.get_name(), "/remapped")
+        assert [name for name, _ in actions] == ["/remapped/speak"]
+    finally:
+        node.request_node.destroy_node()
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)

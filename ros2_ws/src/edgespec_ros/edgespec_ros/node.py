@@ -84,7 +84,7 @@ class EdgespecNode(LifecycleMixin, ServingMixin, HealthMixin, DrainMixin, Lifecy
         requests.create_service(ActionTokens, request_name(self, "action_tokens"), self._on_action_tokens,
                                 qos_profile=REQUEST_QOS, callback_group=self.generation_group)
         self._action_server = ActionServer(
-            requests, Generate, request_name(self, "generate"), execute_callback=self._on_generate,
+            requests, Generate, request_name(self, "generate", service=False), execute_callback=self._on_generate,
             goal_callback=self._on_goal, cancel_callback=lambda _goal: CancelResponse.ACCEPT,
             callback_group=self._action_control_group, **action_qos_kwargs())
         self._stats_pub = self.create_publisher(DecodeStatsMsg, "~/stats", 10)

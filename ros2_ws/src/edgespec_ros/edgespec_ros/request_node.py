@@ -8,8 +8,8 @@ GIL that the request's own thread needs. On their own node the request entities 
 that, and lifecycle, parameters and /diagnostics keep their own executor: neither side waits on the other.
 
 The services keep their names (the owner's: /spec/edgespec/plan); the helper node is hidden
-(`_edgespec_requests`: a leading underscore) and ignores the process's remapping arguments, which would
-otherwise rename it to the owner's name.
+(`_edgespec_requests`: a leading underscore) and ignores the process's arguments, which would otherwise
+rename it to the owner's name (`__node:=`); the owner resolves the entities' names with its remappings.
 """
 from __future__ import annotations
 
@@ -29,9 +29,12 @@ def create_request_node(owner: Node) -> Node:
                              parameter_overrides=[Parameter("start_type_description_service", value=False)])
 
 
-def request_name(owner: Node, name: str) -> str:
-    """The absolute name of the owner's entity `name` (e.g. /spec/edgespec/plan): what `~/name` meant."""
-    return f"{owner.get_fully_qualified_name().rstrip('/')}/{name}"
+def request_name(owner: Node, name: str, service: bool = True) -> str:
+    """The absolute name the owner's entity `~/name` resolves to, the owner's remappings applied (e.g.
+    /spec/edgespec/plan, or /robot/plan under `--ros-args -r ~/plan:=/robot/plan`): the helper node ignores
+    the process's arguments, so the owner resolves its names for it. Actions resolve as topics do in rcl."""
+    resolve = owner.resolve_service_name if service else owner.resolve_topic_name
+    return resolve(f"~/{name}")
 
 
 class RequestSpinner:
