@@ -25,6 +25,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 
 from runtime.backends.base import forward_in_chunks
+from runtime.drafters import registry
 from runtime.model import bundle as bundle_io
 from runtime.memory import plan as memory
 from runtime.commands.bench_backend import measure_bandwidth
@@ -242,7 +243,7 @@ def run(args) -> int:
         for n in names:
             base, _, shape = n.partition("@")
             if base not in bundle.drafter_choices():
-                raise ConfigError(f"--drafters: got {args.drafters!r}; {bundle.missing_drafter(base)}")
+                raise ConfigError(f"--drafters: got {args.drafters!r}; {registry.missing_drafter(bundle, base)}")
             if shape and shape not in shape_suffixes(args):
                 raise ConfigError(f"--drafters: {n}: the shape after '@' must be fixed, adaptive or k1 .. k32")
     names = ["none"] + [n for n in dict.fromkeys(names) if n != "none"]

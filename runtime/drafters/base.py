@@ -14,7 +14,7 @@ A cycle, seen from the drafter:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -182,3 +182,6 @@ class DrafterSpec:
     cache_shapes: Callable[[Any, Any, Any], Dict[str, CacheShape]] = draft_cache_shapes  # (entry, params, target spec)
     tree_tokens: Callable[[Any, int, int], int] = split_chains_tree_tokens  # (params, num_tokens, branching)
     needs_entry: bool = True  # False: the kind runs with default params when the bundle has no entry for it
+    # kind -> (the `edgespec bundle` flag that adds an entry of it, what the flag takes); flag None: `what` says
+    # where such a drafter comes from. The message for a drafter a bundle lacks (registry.missing_drafter).
+    sources: Mapping[str, Tuple[Optional[str], str]] = field(default_factory=dict)

@@ -411,4 +411,6 @@ def memory(bundle, entry, p: DFlashParams, backend: str) -> memory_plan.DrafterM
 
 
 SPEC = DrafterSpec(kinds=("dflash", "dflash2"), params=DFlashParams.from_dict,
-                   build=build, memory=memory)
+                   build=build, memory=memory,
+                   sources={kind: ("--dflash DIR", f"a drafter from `edgespec train-drafter {kind} --target DIR --out DIR`")
+                            for kind in ("dflash", "dflash2")})

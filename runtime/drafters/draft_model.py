@@ -220,4 +220,5 @@ def memory(bundle, entry, p: DraftModelParams, backend: str) -> DrafterMemory:
     return DrafterMemory(dims_from_spec(entry.spec), d_prec, prefill_chunked=True)
 
 
-SPEC = DrafterSpec(kinds=("draft_model",), params=DraftModelParams.from_dict, build=build, memory=memory)
+SPEC = DrafterSpec(kinds=("draft_model",), params=DraftModelParams.from_dict, build=build, memory=memory,
+                   sources={"draft_model": ("--draft DIR", "a smaller model with the target's tokenizer")})

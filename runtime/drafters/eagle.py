@@ -434,4 +434,6 @@ def memory(bundle, entry, p: EagleParams, backend: str) -> memory_plan.DrafterMe
     return memory_plan.DrafterMemory(eagle_dims(entry, p), "fp32", extra, prefill_chunked=True)
 
 
-SPEC = DrafterSpec(kinds=("eagle", "eagle3"), params=EagleParams.from_dict, build=build, memory=memory)
+SPEC = DrafterSpec(kinds=("eagle", "eagle3"), params=EagleParams.from_dict, build=build, memory=memory,
+                   sources={"eagle": ("--eagle DIR", "a head from `edgespec train-drafter eagle1 --target DIR --out DIR`"),
+                            "eagle3": ("--eagle3 DIR", "a head from `edgespec train-drafter eagle3 --target DIR --out DIR`")})

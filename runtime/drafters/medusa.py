@@ -291,4 +291,5 @@ def memory(bundle, entry, p: MedusaParams, backend: str) -> DrafterMemory:
 
 
 SPEC = DrafterSpec(kinds=("medusa",), params=MedusaParams.from_dict, build=build, memory=memory,
-                   tree_tokens=tree_tokens)
+                   tree_tokens=tree_tokens,
+                   sources={"medusa": ("--medusa PATH", "heads from `edgespec train-drafter medusa --target DIR --out DIR`")})

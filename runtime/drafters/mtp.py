@@ -380,4 +380,5 @@ def memory(bundle, entry, p: MTPParams, backend: str) -> DrafterMemory:
     return DrafterMemory(extra_bytes=extra)
 
 
-SPEC = DrafterSpec(kinds=("mtp",), params=MTPParams.from_dict, build=build, memory=memory, cache_shapes=cache_shapes)
+SPEC = DrafterSpec(kinds=("mtp",), params=MTPParams.from_dict, build=build, memory=memory, cache_shapes=cache_shapes,
+                   sources={"mtp": (None, "the target's own MTP module (DeepSeek-V3 keys model.layers.N); this target has none")})

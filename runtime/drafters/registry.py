@@ -52,6 +52,29 @@ def spec_of(kind: str, where: str = "drafter kind") -> DrafterSpec:
     return BY_KIND[kind]
 
 
+def how_to_add(name: str, root: str) -> str:
+    """How to give the bundle at `root` the drafter `name`, from the kind its name starts with (the longest: an
+    entry's name is its kind or the kind plus a suffix, eagle3_chain, dflash2_b8); "" for a name no kind makes.
+
+    Example: how_to_add("eagle3_chain", "b") -> "add it by rebuilding the bundle with
+    `edgespec bundle --target DIR --eagle3 DIR --out b --force` (--eagle3 takes a head from ...)"."""
+    kinds = [k for spec in SPECS for k in spec.sources if name.startswith(k)]
+    if not kinds:
+        return ""
+    kind = max(kinds, key=len)
+    flag, what = BY_KIND[kind].sources[kind]
+    if flag is None:
+        return f"{name} comes from {what}"
+    return (f"add it by rebuilding the bundle with `edgespec bundle --target DIR {flag} --out {root} "
+            f"--force` ({flag.split()[0]} takes {what})")
+
+
+def missing_drafter(bundle, name: str) -> str:
+    """The bundle's message for a drafter it lacks (what it can run instead), and how to add that one."""
+    how = how_to_add(name, bundle.root)
+    return bundle.missing_drafter(name) + (f"; {how}" if how else "")
+
+
 def resolve(bundle, name: str) -> Optional[Tuple[DrafterSpec, Any, Any]]:
     """(spec, entry, typed params) of the bundle's drafter `name`; None for "none". An entry-less kind (ngram)
     without an entry gets its default params; any other name must be an entry of the bundle."""
@@ -61,7 +84,8 @@ def resolve(bundle, name: str) -> Optional[Tuple[DrafterSpec, Any, Any]]:
     if entry is None and name in ENTRYLESS:
         spec = BY_KIND[name]
         return spec, None, spec.params({}, f"drafter {name}")
-    entry = bundle.drafter(name)  # a BundleError naming the bundle's drafters when it has no such entry
+    if entry is None:
+        raise BundleError(missing_drafter(bundle, name))
     spec = spec_of(entry.kind, f"{bundle.path('bundle.yaml')}: drafters.{name}.kind")
     return spec, entry, spec.params(entry.params, f"{bundle.path('bundle.yaml')}: drafters.{name}.params")
 

@@ -70,33 +70,6 @@ BUILTIN_DRAFTERS = ("none", "ngram")  # drafters every bundle can run, listed in
 # entry is resolved, naming the field and the kinds there are.
 
 
-# How a bundle gets each family of drafters (the names `edgespec bundle` gives them: medusa_chain, eagle2,
-# eagle3_chain, dflash_b8 ... share their family's source). Longest prefix first: eagle3 before eagle.
-DRAFTER_SOURCES = (
-    ("draft_model", "--draft DIR", "a smaller model with the target's tokenizer"),
-    ("mtp", None, "the target's own MTP module (DeepSeek-V3 keys model.layers.N); this target has none"),
-    ("medusa", "--medusa PATH", "heads from `edgespec train-drafter medusa --target DIR --out DIR`"),
-    ("eagle3", "--eagle3 DIR", "a head from `edgespec train-drafter eagle3 --target DIR --out DIR`"),
-    ("eagle", "--eagle DIR", "a head from `edgespec train-drafter eagle1 --target DIR --out DIR`"),
-    ("dflash2", "--dflash DIR", "a drafter from `edgespec train-drafter dflash2 --target DIR --out DIR`"),
-    ("dflash", "--dflash DIR", "a drafter from `edgespec train-drafter dflash --target DIR --out DIR`"),
-)
-
-
-def how_to_add_drafter(name: str, root: str) -> str:
-    """How to give the bundle at `root` the drafter `name`, or "" for a name no source makes.
-
-    Example: how_to_add_drafter("eagle3_chain", "b") -> "add it by rebuilding the bundle with
-    `edgespec bundle --target DIR --eagle3 DIR --out b --force` (--eagle3 takes a head from ...)"."""
-    for family, flag, what in DRAFTER_SOURCES:
-        if name.startswith(family):
-            if flag is None:
-                return f"{name} comes from {what}"
-            return (f"add it by rebuilding the bundle with `edgespec bundle --target DIR {flag} --out {root} "
-                    f"--force` ({flag.split()[0]} takes {what})")
-    return ""
-
-
 @dataclass(frozen=True)
 class FileEntry:
     path: str  # relative to the bundle root
@@ -153,10 +126,10 @@ class Bundle:
         return sorted(set(BUILTIN_DRAFTERS) | set(self.drafters))
 
     def missing_drafter(self, name: str) -> str:
-        """The message for a drafter this bundle lacks: what it can run instead, and how to add that one."""
-        how = how_to_add_drafter(name, self.root)
+        """The message for a drafter this bundle lacks: what it can run instead (how to add one: each drafter's
+        file says, runtime/drafters/registry.py missing_drafter)."""
         return (f"{self.root}: no drafter {name!r} in this bundle; it can run {self.drafter_choices()} "
-                f"('none' = plain decoding){'; ' + how if how else ''}")
+                "('none' = plain decoding)")
 
     def target_files(self, backend: str) -> BackendFiles:
         if backend not in self.target.backends:

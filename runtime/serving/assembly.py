@@ -99,7 +99,7 @@ class AssembledModel:
         spec = b.target.spec
         name = config.drafter.kind if config.drafter.kind != "auto" else b.default_drafter
         if name not in b.drafter_choices():
-            raise RequestError("drafter", b.missing_drafter(name))
+            raise RequestError("drafter", registry.missing_drafter(b, name))
         # Fixed or adaptive draft shapes (runtime/serving/tuning.py); a tuned shape may draft deeper than num_tokens.
         try:
             precision_key = (b.onnx_target(backend.precision) if backend.kind == "onnx" else

@@ -133,3 +133,24 @@ def test_medusa_verifies_its_own_choice_list_whatever_the_branching_flag_says():
     assert medusa.tree_tokens(MedusaParams(num_heads=4, tree="chain"), 6, 3) == 4 + 1  # 4 heads cap the chain
     assert medusa.tree_tokens(MedusaParams(num_heads=None, tree=[(0,), (1,), (0, 0)]), 2, 5) == 3 + 1
     assert registry.BY_KIND["draft_model"].tree_tokens(None, 4, 2) == 4 * 2 + 1
+
+
+@pytest.mark.parametrize("name,flag", [("eagle3_chain", "--eagle3 DIR"), ("eagle2", "--eagle DIR"),
+                                       ("medusa_chain", "--medusa PATH"), ("dflash2_b8", "--dflash DIR"),
+                                       ("draft_model", "--draft DIR")])
+def test_a_missing_drafter_says_which_bundle_flag_adds_it_from_its_kinds_own_file(tiny_bundle, name, flag):
+    from dataclasses import replace
+
+    b = bundle_io.load(tiny_bundle)
+    b = b if name != "draft_model" else replace(b, drafters={})
+    with pytest.raises(BundleError) as exc:
+        registry.resolve(b, name)
+    assert f"`edgespec bundle --target DIR {flag} --out {tiny_bundle} --force`" in str(exc.value), exc.value
+    assert "it can run" in str(exc.value)  # and what the bundle runs instead
+
+
+def test_the_longest_kind_a_name_starts_with_gives_its_source_and_a_kind_without_a_flag_says_where_it_comes_from():
+    assert "--eagle3 DIR" in registry.how_to_add("eagle3_chain", "b")  # eagle3, not eagle
+    assert "train-drafter dflash2" in registry.how_to_add("dflash2_b8", "b")  # dflash2, not dflash
+    assert registry.how_to_add("mtp_numpy", "b").startswith("mtp_numpy comes from the target's own MTP module")
+    assert registry.how_to_add("nope", "b") == ""

@@ -5,7 +5,6 @@ save_pretrained -> build_bundle) copied into tmp_path before it is changed, so a
 bundle another test reads."""
 from __future__ import annotations
 
-from dataclasses import replace
 import json
 import os
 import shutil
@@ -358,16 +357,6 @@ def test_asking_for_a_drafter_the_bundle_lacks_lists_the_ones_it_has(tiny_bundle
     with pytest.raises(BundleError, match=r"no drafter 'nope'") as exc:
         b.drafter("nope")
     assert "['draft_model', 'ngram', 'none']" in str(exc.value)
-
-
-@pytest.mark.parametrize("name,flag", [("eagle3_chain", "--eagle3 DIR"), ("eagle2", "--eagle DIR"),
-                                       ("medusa_chain", "--medusa PATH"), ("dflash2_b8", "--dflash DIR"),
-                                       ("draft_model", "--draft DIR")])
-def test_a_missing_drafter_says_which_bundle_flag_adds_it(tiny_bundle, name, flag):
-    b = bundle_io.load(tiny_bundle)
-    with pytest.raises(BundleError) as exc:
-        b.drafter(name) if name != "draft_model" else replace(b, drafters={}).drafter(name)
-    assert f"`edgespec bundle --target DIR {flag} --out {tiny_bundle} --force`" in str(exc.value), exc.value
 
 
 def test_asking_for_a_backend_the_target_lacks_lists_the_ones_it_has_and_how_to_export(tiny_bundle):
