@@ -50,7 +50,9 @@ class BackendConfig:
     # exact oracle: name it to compare against it).
     kind: str = limits("auto", choices=("numpy_ref", "onnx", "gguf", "tensorrt", "auto"))
     threads: int = limits(0, min=0, max=256, doc="0 = one per CPU core")
-    spinning: str = limits("never", choices=("never", "run", "always"),
+    # "run" by default: on a quiet 2-core CPU a zoo step took 1.06 ms with it and 1.73 ms with "never" (BENCHMARKS
+    # N3/N2); "never" is the choice where other processes oversubscribe the cores (docs/backends/onnx.md)
+    spinning: str = limits("run", choices=("never", "run", "always"),
                            doc="onnx: ORT's intra-op threads sleep between operators (never), spin while a run lasts "
                                "(run: no wake-up per operator, idle between runs) or also after it (always, ORT's "
                                "default); spinning pays on dedicated cores only")

@@ -54,7 +54,7 @@ def test_the_spinning_modes_set_ort_spinning_during_and_after_a_run(tmp_path, mo
 
 
 def test_the_configured_spinning_reaches_the_targets_session(monkeypatch):
-    """backend.spinning (default never) is what open_model gives the onnx target, unless a caller (bench_backend)
+    """backend.spinning (default run) is what open_model gives the onnx target, unless a caller (bench_backend)
     names another."""
     import runtime.backends.onnx as onnx_backend
     from runtime.backends.factory import open_model
@@ -69,7 +69,7 @@ def test_the_configured_spinning_reaches_the_targets_session(monkeypatch):
         path = staticmethod(lambda rel: rel)
 
     files = BackendFiles(files=("onnx/target.fp32.onnx",))
-    for cfg, override in ((BackendConfig(kind="onnx"), None), (BackendConfig(kind="onnx", spinning="run"), None),
-                          (BackendConfig(kind="onnx", spinning="run"), "always")):
+    for cfg, override in ((BackendConfig(kind="onnx"), None), (BackendConfig(kind="onnx", spinning="never"), None),
+                          (BackendConfig(kind="onnx", spinning="never"), "always")):
         open_model(Bundle(), None, files, cfg, None, spinning=override)
-    assert got == ["never", "run", "always"]
+    assert got == ["run", "never", "always"]
