@@ -101,6 +101,14 @@ def greedy_choices(logits: np.ndarray) -> np.ndarray:
     Example: [[1, 3, 3], [0, -1, 2]] -> [1, 2]."""
     if logits.ndim != 2:
         raise ValueError(f"process_logits_batch expects (N, V) logits, got shape {logits.shape}")
+    if logits.shape[0] == 1:  # a plain step: one row, checked as Python scalars (a few numpy calls fewer a token)
+        b = int(logits[0].argmax())
+        v = float(logits[0, b])
+        if v != v:
+            raise ValueError("logits contain NaN: the backend produced an invalid forward pass")
+        if v == -np.inf:
+            raise ValueError("every token has logit -inf (after the allowed-token / grammar mask): nothing can be sampled")
+        return np.array([b], np.int64)
     best = np.argmax(logits, axis=1)  # (N,)
     top = logits[np.arange(logits.shape[0]), best]
     if np.isnan(top).any():

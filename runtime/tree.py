@@ -169,6 +169,8 @@ def verify_inputs(tree: DraftTree, root_token: int, cache_len: int, root_positio
 
     Example: root r, chain (a, b), cache_len 2, root_position 2 -> tokens (r, a, b), positions (2, 3, 4), None."""
     n = len(tree)
+    if n == 0:  # a plain step (every cycle where the drafter drafts nothing): the root alone
+        return np.array([root_token], np.int64), np.array([root_position], np.int64), None
     if np.array_equal(tree.parents, np.arange(-1, n - 1)):
         tokens = np.concatenate([np.asarray([root_token], dtype=np.int64), tree.tokens])  # (n+1,)
         return tokens, np.arange(root_position, root_position + n + 1, dtype=np.int64), None

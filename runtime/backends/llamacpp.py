@@ -287,6 +287,7 @@ class LlamaCppTarget(CacheRows):
         self._wants = np.ctypeslib.as_array(b.logits, shape=(n,))  # (max_batch,) int8: 1 = output this row
         self._views: Dict[tuple, np.ndarray] = {}  # (address, width) -> view of a llama.cpp output buffer
         self._first_seq = np.full(n, -1, np.int32)  # mirror of seq_id[i][0], so chain batches skip writing it
+        self._tree_rows = True  # rows of _first_seq may not be 0 (never written, or a tree batch wrote them)
         self.committed = 0
         self.tree = _TreeRows()
         self.weight_bytes = int(lib.llama_model_size(self.model))
@@ -308,9 +309,13 @@ class LlamaCppTarget(CacheRows):
                 raise BackendError(f"tap {name!r} was not requested when the gguf backend was opened "
                                    f"(it has {list(self.tap_names)})")
         p = self.cache.length
-        causal = mask is None or (not self.tree.pos and bool(mask[:, :p].all())
-                                  and np.array_equal(mask[:, p:], np.tri(t, dtype=bool)))
-        if causal and not self.tree.pos and np.array_equal(positions, np.arange(p, p + t)):
+        if t == 1 and mask is None and not self.tree.pos:  # a plain step: the one-row case of the chain below
+            chain = int(positions[0]) == p
+        else:
+            causal = mask is None or (not self.tree.pos and bool(mask[:, :p].all())
+                                      and np.array_equal(mask[:, p:], np.tri(t, dtype=bool)))
+            chain = causal and not self.tree.pos and np.array_equal(positions, np.arange(p, p + t))
+        if chain:
             # Extends the committed chain (a prefill, plain decoding): sequence 0, in batches of max_batch.
             outs = [self._decode(tokens[s:s + self.max_batch], positions[s:s + self.max_batch], None, None, taps,
                                  last_logits_only) for s in range(0, t, self.max_batch)]
@@ -348,9 +353,11 @@ class LlamaCppTarget(CacheRows):
         self._pos[:t] = positions
         if seqs is None:
             self._n_seq[:t] = 1
-            for i in np.flatnonzero(self._first_seq[:t] != 0):  # rows a tree batch left on another sequence
-                b.seq_id[i][0] = 0
-            self._first_seq[:t] = 0
+            if self._tree_rows:  # rows a tree batch left on another sequence go back to sequence 0
+                for i in np.flatnonzero(self._first_seq != 0):
+                    b.seq_id[i][0] = 0
+                self._first_seq[:] = 0
+                self._tree_rows = False
         else:
             for i in range(t):  # a tree: T <= a few dozen rows, each with its own set of sequences
                 ids = [query[i]] + sorted(seqs[i] - {query[i]})
@@ -358,14 +365,16 @@ class LlamaCppTarget(CacheRows):
                 for j, s in enumerate(ids):
                     b.seq_id[i][j] = s
             self._first_seq[:t] = query
+            self._tree_rows = True
         out = self._wants[:t]
-        out[:] = 0 if last_only and not taps else 1
+        one_row = last_only and not taps
+        out[:] = 0 if one_row else 1
         out[t - 1] = 1
         rc = lib.llama_decode(self.ctx, b)
         if rc != 0:
             raise BackendError(f"llama.cpp decode failed (code {rc}) for {t} tokens at positions "
                                f"{int(positions[0])}..{int(positions[-1])}{_recent_log()}")
-        rows = int(out.sum())
+        rows = 1 if one_row else t  # the rows `out` asks llama.cpp for
         self.logit_rows_fetched += rows
         logits = self._rows(lib.llama_get_logits(self.ctx), rows, self.spec.vocab_size).copy()  # (rows, V)
         got = {}

@@ -25,6 +25,8 @@ from runtime.tree import DraftTree, verify_inputs
 from runtime.verify import verify_greedy, verify_greedy_choices, verify_sampled
 
 FINISH_REASONS = ("eos", "stop", "max_tokens", "deadline", "cancelled")
+# The draft of a cycle that drafts nothing (plain decoding, a skipped cycle): read, never written, so one for all
+NO_DRAFT = DraftTree(tokens=np.zeros(0, np.int64), parents=np.zeros(0, np.int64))
 
 
 @dataclass
@@ -284,7 +286,7 @@ class Engine:
         would sample at that point; the drafter gets the same masks through DraftContext.mask (cached)."""
         target = self.target
         base = target.cache_len  # rows before the root
-        tree = DraftTree(tokens=np.zeros(0, np.int64), parents=np.zeros(0, np.int64))
+        tree = NO_DRAFT
         draft_s = 0.0
         if self.drafter is not None and remaining > 1:
             td = time.perf_counter()

@@ -262,3 +262,16 @@ def test_greedy_batch_allocates_one_vocab_by_rows_array():
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 1.25 * logits.size * 8  # the float64 result itself, and little else
+
+
+def test_greedy_choices_of_one_row_equal_the_rows_own_in_a_batch_and_refuse_nan_and_all_minus_inf():
+    from runtime.sampling import greedy_choices
+
+    rows = np.array([[1.0, 3.0, 3.0, -2.0], [0.0, -1.0, 2.0, 2.0]], np.float32)
+    for i in range(2):  # one row (a plain step) and the same row in a batch: the same choice, ties -> lowest id
+        assert greedy_choices(rows[i:i + 1]).tolist() == [greedy_choices(rows)[i]] == [[1, 2][i]]
+    assert greedy_choices(rows[:1]).dtype == np.int64
+    with pytest.raises(ValueError, match="NaN"):
+        greedy_choices(np.array([[0.0, np.nan, 1.0]], np.float32))
+    with pytest.raises(ValueError, match="-inf"):
+        greedy_choices(np.full((1, 3), -np.inf, np.float32))

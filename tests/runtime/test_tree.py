@@ -142,3 +142,11 @@ def test_verify_inputs_leave_a_chains_mask_to_the_backend_as_causal():
         assert (want_mask == np.concatenate([np.ones((t, 5), bool), np.tri(t, dtype=bool)], axis=1)).all()
     got, want = verify_inputs(branching, 3, 5, 5), flatten(branching, 3, 5, 5)
     assert all((a == b).all() for a, b in zip(got, want))
+
+
+def test_a_plain_steps_verify_inputs_are_the_root_alone_as_flatten_lays_it_out():
+    tokens, positions, mask = verify_inputs(empty_tree(), 7, 5, 5)
+    want_tokens, want_positions, _ = flatten(empty_tree(), 7, 5, 5)
+    assert tokens.tolist() == want_tokens.tolist() == [7] and tokens.dtype == np.int64
+    assert positions.tolist() == want_positions.tolist() == [5] and positions.dtype == np.int64
+    assert mask is None  # causal: the backend needs no mask array for it
