@@ -95,10 +95,15 @@ class Session(AssembledModel):
         decoder = StreamDecoder(self.tokenizer)
         state = {"n": 0, "stopped": False}
         emitted: List[int] = []
+        # Text as it grows only for a stream or a stop string; otherwise decoded once at the end (push decodes
+        # every id so far: per token, that is quadratic in the answer's length)
+        incremental = on_delta is not None or bool(params.stop)
 
         def on_tokens(batch: List[int]) -> None:
             emitted.extend(batch)
             state["n"] += len(batch)
+            if not incremental:
+                return
             delta = decoder.push(batch)
             if params.stop and any(s in decoder.text for s in params.stop):
                 state["stopped"] = True
@@ -116,10 +121,14 @@ class Session(AssembledModel):
                                        on_tokens, StopCheck(deadline, why_stop), grammar=grammar,
                                        template=self.template_of(prompt_ids))
         except Exception as exc:  # a backend failure mid-stream: the caller may have streamed text already
+            if not incremental:
+                decoder.push(emitted)  # the text a stream would have had by now
             exc.partial = Partial(decoder.text, list(emitted))
             raise
         out.stats.memory_bytes = self.memory_in_use()
         out.stats.drafter = self.drafter_kind  # the name the user chose (eagle3_chain), not its kind (eagle3)
+        if not incremental:
+            decoder.ids.extend(emitted)
         tail = decoder.flush()
         if on_delta is not None and tail:
             on_delta(tail, state["n"])

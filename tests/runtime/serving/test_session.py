@@ -37,6 +37,36 @@ def test_stream_deltas_add_up_to_the_text(session):
     assert "".join(deltas) == res.text
 
 
+def test_a_request_without_a_stream_has_the_streams_text_decoded_once_at_the_end(session):
+    params = GenerationParams(max_tokens=24)
+    deltas = []
+    streamed = session.generate("<|bos|><|text|>the robot", params, on_delta=lambda d, n: deltas.append(d))
+    whole = session.generate("<|bos|><|text|>the robot", params)
+    assert whole.text == streamed.text == "".join(deltas) and whole.token_ids == streamed.token_ids
+    calls = []
+    real = session.tokenizer.decode
+    session.tokenizer.decode = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        session.generate("<|bos|><|text|>the robot", params)
+    finally:
+        session.tokenizer.decode = real
+    assert len(calls) == 1  # not once per token: that is quadratic in the answer's length
+
+
+def test_a_failure_mid_request_without_a_stream_keeps_the_text_decoded_so_far(session, monkeypatch):
+    ids = session.tokenizer.encode(" the robot moves")
+
+    def failing(prompt_ids, sampling, max_tokens, seed, on_tokens, *args, **kwargs):
+        on_tokens(list(ids))
+        raise RuntimeError("backend died")
+
+    monkeypatch.setattr(session.engine, "generate", failing)
+    with pytest.raises(RuntimeError) as exc:
+        session.generate("<|bos|><|text|>the robot", GenerationParams(max_tokens=24))
+    assert exc.value.partial.token_ids == list(ids)
+    assert exc.value.partial.text == session.tokenizer.decode(list(ids), skip_special_tokens=True) != ""
+
+
 def test_cancel_is_polled_during_generation(session):
     res = session.generate("<|bos|><|text|>the robot", GenerationParams(max_tokens=64), should_stop=lambda: True)
     assert res.finish_reason == "cancelled" and res.stats.tokens <= 8
