@@ -79,7 +79,9 @@ def _ddp_worker(rank: int, world: int, port: int, work: str, out: str) -> None:
         if rank == 0:
             np.save(out, np.asarray(res.losses))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # both ranks past their last all-reduce before gloo goes, as the CLI does
+            dist.barrier()
+            dist.destroy_process_group()
 
 
 def test_two_gloo_processes_follow_the_single_process_loss_curve(tmp_path):
