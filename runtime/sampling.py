@@ -102,18 +102,16 @@ def greedy_choices(logits: np.ndarray) -> np.ndarray:
     if logits.ndim != 2:
         raise ValueError(f"process_logits_batch expects (N, V) logits, got shape {logits.shape}")
     if logits.shape[0] == 1:  # a plain step: one row, checked as Python scalars (a few numpy calls fewer a token)
-        b = int(logits[0].argmax())
-        v = float(logits[0, b])
-        if v != v:
-            raise ValueError("logits contain NaN: the backend produced an invalid forward pass")
-        if v == -np.inf:
-            raise ValueError("every token has logit -inf (after the allowed-token / grammar mask): nothing can be sampled")
-        return np.array([b], np.int64)
-    best = np.argmax(logits, axis=1)  # (N,)
-    top = logits[np.arange(logits.shape[0]), best]
-    if np.isnan(top).any():
+        best = np.array([logits[0].argmax()], np.int64)
+        top = float(logits[0, best[0]])
+        nan, minus_inf = top != top, top == -np.inf
+    else:
+        best = np.argmax(logits, axis=1)  # (N,)
+        top = logits[np.arange(logits.shape[0]), best]
+        nan, minus_inf = np.isnan(top).any(), np.isneginf(top).any()
+    if nan:
         raise ValueError("logits contain NaN: the backend produced an invalid forward pass")
-    if np.isneginf(top).any():
+    if minus_inf:
         raise ValueError("every token has logit -inf (after the allowed-token / grammar mask): nothing can be sampled")
     return best
 
