@@ -48,13 +48,13 @@ class OnnxKStep:
     """The K-step graph of the draft model run by `target` (an OnnxTarget with a layer-major arena)."""
 
     def __init__(self, target: OnnxTarget, model_path: str, steps: int,
-                 providers: Sequence[str] = ("CPUExecutionProvider",), threads: int = 0):
+                 providers: Sequence[str] = ("CPUExecutionProvider",), threads: int = 0, spinning: str = "never"):
         if target.shared_kv:
             raise BackendError(f"{model_path}: a K-step graph needs the draft's layer-major K/V; its step graph "
                                "uses GroupQueryAttention (re-export with the default attention)")
         ort = import_ort()
         self.target, self.steps, self.model_path = target, int(steps), model_path
-        self.session = open_session(model_path, providers, threads)
+        self.session = open_session(model_path, providers, threads, spinning=spinning)
         names = {i.name for i in self.session.get_inputs()}
         missing = [n for n in ("input_ids", *PARAM_INPUTS) if n not in names]
         if missing:

@@ -53,7 +53,8 @@ def bundle_of(model_path: str) -> str:
 # from another process or from what runs next (a drafter's graph, numpy maths): on a shared, oversubscribed CPU
 # spinning threads made a step ~1.5-3x slower (measured). "run": they spin while a run lasts, so ~100 small
 # operators a step do not each wake a sleeping thread, and stop the moment it returns; "always": ORT's own default,
-# spinning on after a run too (onnxruntime-genai runs with it). `backend.spinning` picks one for the target.
+# spinning on after a run too (onnxruntime-genai runs with it). `backend.spinning` picks one for the target
+# and every drafter graph (heads, block drafters, the K-step graph).
 SPINNING = {"never": ("0", "0"), "run": ("1", "1"), "always": ("1", "0")}
 
 
@@ -107,10 +108,10 @@ class OnnxNet:
     """One drafter graph: `run(feeds) -> {output name: array}`; checks the feeds name the graph's inputs."""
 
     def __init__(self, model_path: str, providers: Sequence[str] = ("CPUExecutionProvider",), threads: int = 0,
-                 label: str = "drafter"):
+                 label: str = "drafter", spinning: str = "never"):
         self.model_path = model_path
         self.label = label
-        self.session = open_session(model_path, providers, threads)
+        self.session = open_session(model_path, providers, threads, spinning=spinning)
         self.input_names = tuple(i.name for i in self.session.get_inputs())
         self.output_names = tuple(o.name for o in self.session.get_outputs())
         self.input_dtypes = {i.name: _ORT_DTYPES.get(i.type) for i in self.session.get_inputs()}

@@ -206,7 +206,7 @@ def kstep_graph(bundle, files: BackendFiles, backend, model, mode: str = "auto")
         return None
     from runtime.backends.onnx_kstep import OnnxKStep
     return OnnxKStep(model, bundle.path(rel), int(files.params.get("kstep_steps", 1)), providers=backend.providers,
-                     threads=backend.threads)
+                     threads=backend.threads, spinning=backend.spinning)
 
 
 def memory(bundle, entry, p: DraftModelParams, backend: str) -> DrafterMemory:

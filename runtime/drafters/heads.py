@@ -108,4 +108,5 @@ def head_graphs(b, label: str, count: int = 1, unit: str = "head") -> Optional[L
                           f"graphs for {count} {unit}; re-export with "
                           f"`edgespec export --to onnx --bundle {b.bundle.root}`")
     return [OnnxNet(b.bundle.path(g), b.backend.providers, b.backend.threads,
-                    label=label if count == 1 else f"{label} {i}") for i, g in enumerate(graphs)]
+                    label=label if count == 1 else f"{label} {i}", spinning=b.backend.spinning)
+            for i, g in enumerate(graphs)]

@@ -273,7 +273,8 @@ def build(b: DrafterBuild, p: MedusaParams) -> MedusaDrafter:
     bundle, entry, backend = b.bundle, b.entry, b.backend
     spec = bundle.target.spec
     graph = entry.backends.get("onnx") if backend.kind == "onnx" else None  # else the numpy heads
-    net = OnnxNet(bundle.path(graph.files[0]), backend.providers, backend.threads, f"drafter {b.name}") if graph else None
+    net = (OnnxNet(bundle.path(graph.files[0]), backend.providers, backend.threads, f"drafter {b.name}",
+                   spinning=backend.spinning) if graph else None)
     return MedusaDrafter(load_weights(bundle, entry.files), tree=p.tree, num_tokens=b.num_tokens,
                          source=f"{bundle.root}: drafters.{b.name}", hidden=spec.hidden_size, vocab=spec.vocab_size,
                          net=net)
