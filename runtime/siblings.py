@@ -82,7 +82,17 @@ def top_k(scores: np.ndarray, width: int) -> Siblings:
     Example: scores (0.1, 0.6, 0, 0.3), width 3 -> tokens (1, 3, 0).
     """
     s = np.asarray(scores)
-    order = np.argsort(-s, kind="stable")[:width]
+    n = s.shape[0]
+    if 0 < width < n:
+        # The same tokens as a full stable sort, in O(V): only those scoring at least the width-th best (ties
+        # included, in id order) are sorted. (Fewer than `width` of them: NaN scores, which the partition counts
+        # as the largest and the full sort places last; then the full sort.)
+        kth = np.partition(s, n - width)[n - width]
+        cand = np.flatnonzero(s >= kth)
+        if len(cand) >= width:
+            order = cand[np.argsort(-s[cand], kind="stable")][:width]
+            return Siblings(order[s[order] > 0].astype(np.int64), None)
+    order = np.argsort(-s, kind="stable")[:max(width, 0)]
     return Siblings(np.asarray([t for t in order if s[t] > 0], np.int64), None)
 
 

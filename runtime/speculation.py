@@ -161,13 +161,16 @@ class AdaptivePolicy:
     of `probe_depth` nodes every `probe_every` cycles while the best is to draft nothing. A probe costs more than
     its nodes (a draft model or EAGLE head first catches up on every token committed since it last ran), so each
     probe that leaves the best at nothing doubles the template's interval, up to `probe_max` cycles; one that is
-    accepted whole, or makes drafting pay, brings it back to `probe_every`."""
+    accepted whole, or makes drafting pay, brings it back to `probe_every`. Whatever the doubling says, the wait
+    is never so short that probes take more than `probe_share` of the template's time (`probe_wait`): a probe
+    that costs 2 plain steps more than the step it replaces is followed by at least 200 idle cycles at 1 %."""
     cost: CostModel
     k_max: int
     learn_costs: bool = False
     probe_every: int = 16
     probe_depth: int = 2
     probe_max: int = 256
+    probe_share: Optional[float] = 0.01  # None: the doubling rule alone sets the wait, whatever a probe costs
     prior: float = 0.5
     trackers: Dict[str, AcceptanceTracker] = field(default_factory=dict)
     idle: Dict[str, int] = field(default_factory=dict)  # cycles since the last draft, per template
@@ -180,6 +183,7 @@ class AdaptivePolicy:
     _rate: Dict[str, float] = field(default_factory=dict)  # ... and the rate it expects there
     _rules: Dict[str, "NodeRule"] = field(default_factory=dict)  # node_rule per template, until _best moves
     _probing: Dict[str, bool] = field(default_factory=dict)  # the template's last budget was a probe
+    _probe_s: Dict[str, float] = field(default_factory=dict)  # seconds the template's last probe cost over a plain step
     # What the template's drafting cycles really earned: [tokens, seconds (by the cost model), cycles], decayed by
     # `realized_decay` a cycle. The depth search trusts the chain formula, but the per-node rule may keep far fewer
     # nodes than it plans for (or none, after the drafter's fixed cost is paid): once `realized_min` cycles say
@@ -207,11 +211,13 @@ class AdaptivePolicy:
         b = 0
         if k > 0:
             self.idle[key] = 0
-            self.interval[key] = self.probe_every
+            self.interval[key] = self.probe_wait(key)
             b = self.k_max if self.per_node else k
         else:
             self.idle[key] = self.idle.get(key, 0) + 1
-            if self.probe_every and self.idle[key] >= self.interval.get(key, self.probe_every):
+            if key not in self.interval:
+                self.interval[key] = self.probe_wait(key)
+            if self.probe_every and self.idle[key] >= self.interval[key]:
                 self.idle[key] = 0
                 self.probes += 1
                 self._probing[key] = True
@@ -220,6 +226,27 @@ class AdaptivePolicy:
                 self.skipped += 1
         self._handed[key] = b
         return b
+
+    def probe_wait(self, key: str) -> int:
+        """The fewest idle cycles before the template's next probe: `probe_every`, or more where a probe would
+        otherwise take over `probe_share` of the time: the seconds the template's last probe cost beyond the plain
+        step it replaced (its catch-up, head runs and extra verify rows, as timed) over probe_share of a plain
+        step (the cost model's verify(1)); at most `probe_max`. The template's first probe comes after
+        `probe_every` (nothing is known of its cost yet, and the prior may be all the policy knows of the
+        template). History only: timings of past cycles and the cost model.
+
+        >>> p = AdaptivePolicy(CostModel(((1, 1.0),)), 4)
+        >>> p.probe_wait("action/greedy")
+        16
+        >>> p._probe_s["action/greedy"] = 1.6  # the last probe cost 1.6 steps over a plain one: / 0.01 -> 160
+        >>> p.probe_wait("action/greedy")
+        160"""
+        extra = self._probe_s.get(key)
+        if not self.probe_share or extra is None:
+            return self.probe_every
+        step = self.current_cost().verify_s(1)
+        wait = math.ceil(round(extra / (self.probe_share * step), 6)) if step > 0 else self.probe_max
+        return int(min(self.probe_max, max(self.probe_every, wait)))
 
     def budget_depth(self, key: str) -> int:
         """The best depth of the template as its acceptance stands (0: plain steps pay best), without taking a
@@ -276,10 +303,12 @@ class AdaptivePolicy:
             self._best.pop(key, None)  # its acceptance moved
             self._rules.pop(key, None)
         if self._probing.pop(key, False):
+            self._probe_s[key] = max(0.0, verify_s + draft_s - self.current_cost().verify_s(1))
             # a probe taken whole is evidence the template may pay again: probe soon, not after the longest wait
+            # (but never so often that probes of what this one cost take over probe_share of the time)
             again = self.budget_depth(key) > 0 or (drafted > 0 and accepted >= drafted)
             every = self.interval.get(key, self.probe_every)
-            self.interval[key] = self.probe_every if again else min(self.probe_max, 2 * every)
+            self.interval[key] = max(self.probe_wait(key), self.probe_every if again else min(self.probe_max, 2 * every))
         if not self.learn_costs:
             return
         self._best.clear()  # the costs move with every cycle's timing

@@ -321,8 +321,7 @@ class Engine:
         committed = [context[-1]] + [int(tree.tokens[i]) for i in result.accepted]
         if self.drafter is not None:
             td = time.perf_counter()
-            sel = [r - base for r in rows]
-            self.drafter.accept(result.accepted, committed, {k: v[sel] for k, v in res.taps.items()})
+            self.drafter.accept(result.accepted, committed, accepted_rows(res.taps, rows, base))
             stats.draft_s += time.perf_counter() - td
         depth = int(tree.depths().max()) if len(tree) else 0
         if tree.confidence is not None and len(tree):  # acceptance against confidence, for the per-node rule
@@ -361,6 +360,22 @@ class Engine:
         if batch and on_tokens is not None:
             on_tokens(batch)
         return finish
+
+
+def accepted_rows(taps: Dict[str, np.ndarray], rows: Sequence[int], base: int) -> Dict[str, np.ndarray]:
+    """The taps' rows of the committed positions (`rows`: cache rows from base on, the root's first, rising): the
+    taps themselves, or a view of their first n = len(rows) rows, where those are the first n verify rows (a plain
+    step, a chain accepted from its start: most cycles); else a copy of the rows picked. Backends return fresh tap
+    arrays each forward, so a view is never overwritten.
+
+    >>> t = {"h": np.arange(6.0).reshape(3, 2)}
+    >>> accepted_rows(t, [10, 11], 10)["h"].tolist(), accepted_rows(t, [10, 12], 10)["h"].tolist()
+    ([[0.0, 1.0], [2.0, 3.0]], [[0.0, 1.0], [4.0, 5.0]])"""
+    n = len(rows)
+    if rows[-1] - base == n - 1:  # rising from base, the last is base + n - 1 only when they are base .. base + n - 1
+        return taps if all(len(v) == n for v in taps.values()) else {k: v[:n] for k, v in taps.items()}
+    sel = [r - base for r in rows]
+    return {k: v[sel] for k, v in taps.items()}
 
 
 def policy_key(template: Optional[str], prompt: Sequence[int], params: SamplingParams) -> str:

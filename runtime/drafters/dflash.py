@@ -184,7 +184,7 @@ class DFlashDrafter(Drafter):
         self.cache = cache
         self.inv_freq = rope_inv_freq(spec)
         self.target_taps = tuple(f"layer_out.{i}" for i in params.target_layer_ids)
-        self.pending: List[np.ndarray] = []  # fused target taps of committed positions not yet in the cache
+        self.pending: List[Dict[str, np.ndarray]] = []  # target taps of committed positions not yet in the cache
         self.last_walk: Optional[List[Tuple[np.ndarray, np.ndarray]]] = None  # DFlash-2: (candidates, q matrix)/slot
         self.head_runner = HeadRunner(cache, net, layers=spec.num_layers, outputs=("hidden",),
                                       inputs=("context", "block", "context_cos", "context_sin", "block_cos", "block_sin"))
@@ -213,10 +213,18 @@ class DFlashDrafter(Drafter):
         self._take(taps)
 
     def _take(self, taps: Dict[str, np.ndarray]) -> None:
+        """Keep the taps of newly committed positions as the target returned them: they are fused (concatenated
+        per row) only when the next block runs, so a cycle that drafts nothing does no work on them."""
         missing = [t for t in self.target_taps if t not in taps]
         if missing:
             raise BundleError(f"{self.kind} drafter: the target returned no hidden tap {missing[0]!r}")
-        self.pending.append(np.concatenate([taps[t] for t in self.target_taps], axis=-1))  # (rows, n*H)
+        self.pending.append(taps)
+
+    def _fused_pending(self) -> np.ndarray:
+        """(C, n*H): the fused taps of the pending context rows, in order."""
+        if not self.pending:
+            return np.zeros((0, self.w["fc.weight"].shape[1]), np.float32)
+        return np.concatenate([np.concatenate([r[t] for r in self.pending]) for t in self.target_taps], axis=-1)
 
     # -- the forward -----------------------------------------------------------------------------
 
@@ -266,8 +274,7 @@ class DFlashDrafter(Drafter):
         """Run the pending context rows and the block [anchor, mask...] at anchor_pos..; the context rows stay
         in the cache. Returns (final-normed hidden (B-1, H), logits (B-1, V)) of the draft slots."""
         spec, eps = self.spec, self.spec.rms_norm_eps
-        fused = np.concatenate(self.pending, axis=0) if self.pending else np.zeros((0, self.w["fc.weight"].shape[1]),
-                                                                                   np.float32)
+        fused = self._fused_pending()
         c = fused.shape[0]
         start = self.cache.length
         if start + c != anchor_pos:

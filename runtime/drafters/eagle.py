@@ -82,6 +82,9 @@ def dynamic_tree(expand, root_scores: np.ndarray, tree: DynamicTree, max_nodes: 
     gives a:(c -0.2, d -3.0), b:(e -0.1, f -0.5) -> cumulative c -0.3, d -3.1, e -2.6, f -3.0. Ranked: a -0.1,
     c -0.3, b -2.5, e -2.6 ... -> keep a, b, c: tokens (a, b, c), parents (-1, -1, 0).
 
+    With a budget below top_k or depth (max_nodes, total_tokens), only the best `budget` children of a node and
+    of a level are made, over at most `budget` levels: the same tree for a fraction of the runs.
+
     `stop` (runtime.speculation.NodeRule): the tree gets the nodes it earns: the reranked nodes are kept while
     the calibrated acceptance of their path (confidence exp(score)) pays for one more verify row, and a level is
     not expanded when not even a certain child of its best node could pay. Every node is a point mass (a
@@ -101,8 +104,13 @@ def dynamic_tree(expand, root_scores: np.ndarray, tree: DynamicTree, max_nodes: 
             scores.append(base + float(logp[t]))
         return made
 
+    budget = min(tree.total_tokens, max_nodes)
+    # A kept node's ancestors are kept too and every better sibling or level-mate ranks before it, so the best
+    # `budget` nodes lie within `budget` levels and within the best `budget` children of a node and of a level:
+    # a smaller budget (a probe's 2 nodes) expands only those, and keeps the very tree the full search would.
+    tree = replace(tree, top_k=min(tree.top_k, budget), depth=min(tree.depth, budget))
     frontier = children_of(-1, root_scores, 0.0)
-    floor = min(stop.margin(n) for n in range(max(1, min(tree.total_tokens, max_nodes)))) if stop else 0.0
+    floor = min(stop.margin(n) for n in range(max(1, budget))) if stop else 0.0
     for _ in range(tree.depth - 1):
         if not frontier or (stop is not None and stop.fixed_gain(math.exp(scores[frontier[0]])) < floor):
             break
@@ -111,7 +119,7 @@ def dynamic_tree(expand, root_scores: np.ndarray, tree: DynamicTree, max_nodes: 
         for node, logp in zip(frontier, rows):
             level += children_of(node, logp, scores[node])
         frontier = sorted(level, key=lambda n: (-scores[n], n))[:tree.top_k]
-    keep = sorted(range(len(tokens)), key=lambda n: (-scores[n], n))[:min(tree.total_tokens, max_nodes)]
+    keep = sorted(range(len(tokens)), key=lambda n: (-scores[n], n))[:budget]
     if stop is not None:  # best first, so the kept nodes stay a prefix of the ranking (parents before children)
         paying = [stop.pays(stop.fixed_gain(math.exp(scores[n])), i) for i, n in enumerate(keep)]
         keep = keep[:paying.index(False) if False in paying else len(keep)]
@@ -201,10 +209,10 @@ class EagleDrafter(Drafter):
     @property
     def pending(self) -> Optional[np.ndarray]:
         """(n, H) features of the committed positions not yet run. The taps of cycles that drafted nothing wait
-        raw and are projected (EAGLE-3's fc) in one batched product when the head next runs, so that a plain
-        step of an adaptive shape pays no head work."""
+        raw, as the target returned them, and are fused and projected (EAGLE-3's fc) in one batched product when
+        the head next runs, so that a plain step of an adaptive shape pays no head work, not even a concatenation."""
         if self._raw:
-            new = self._project(np.concatenate(self._raw))
+            new = self._project(self._fuse({t: np.concatenate([r[t] for r in self._raw]) for t in self.target_taps}))
             self._feats = new if self._feats is None else np.concatenate([self._feats, new])
             self._raw = []
         return self._feats
@@ -295,14 +303,14 @@ class EagleDrafter(Drafter):
 
     def begin(self, prompt: Sequence[int], taps: Dict[str, np.ndarray], start: int = 0) -> None:
         self.reset()  # (start is always 0: reusable_prefix keeps nothing)
-        # projected when the head first runs: a request an adaptive shape never drafts in projects nothing
-        self._feats, self._raw = None, [self._fuse(taps)]
+        # fused and projected when the head first runs: a request an adaptive shape never drafts in does neither
+        self._feats, self._raw = None, [taps]
 
     def accept(self, accepted_nodes, committed, taps) -> None:
         self.cache.keep(self.committed_rows, [])  # drop the drafted rows
         # Appended, not replaced: after a cycle that drafted nothing (an adaptive shape's plain step) the rows
         # of the cycle before are still waiting to be run.
-        self._raw.append(self._fuse(taps))  # projected when the head next runs (`pending`)
+        self._raw.append(taps)  # fused and projected when the head next runs (`pending`)
 
     def _catch_up(self, tokens: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
         """Run the rows of newly committed positions: row t = (feature f_t, token x_{t+1}). Returns the last

@@ -190,7 +190,9 @@ class MedusaDrafter(Drafter):
     def propose(self, ctx: DraftContext) -> DraftTree:
         if self.h is None or ctx.max_nodes <= 0 or not self.choices:
             return empty_tree()
-        depth = max(len(p) for p in self.choices)
+        # a path of d nodes needs its d - 1 ancestors: with fewer nodes than the deepest path, the deeper heads
+        # cannot place a node (a probe's 2 nodes run and rank 2 heads, the same nodes)
+        depth = min(max(len(p) for p in self.choices), ctx.max_nodes)
         logits = self.head_logits(self.h, depth)  # (depth, V)
         if ctx.params.greedy:
             return self._greedy(logits, ctx)
@@ -206,8 +208,8 @@ class MedusaDrafter(Drafter):
         for p in self.choices:
             if len(tokens) >= ctx.max_nodes:
                 break
-            if p[-1] >= len(cands[len(p) - 1]) or (len(p) > 1 and p[:-1] not in index):
-                continue  # the mask left fewer candidates than the shape asks for
+            if (len(p) > 1 and p[:-1] not in index) or p[-1] >= len(cands[len(p) - 1]):
+                continue  # the mask left fewer candidates than the shape asks for (parent first: it bounds len(p))
             index[p] = len(tokens)
             tokens.append(int(cands[len(p) - 1][p[-1]]))
             parents.append(index[p[:-1]] if len(p) > 1 else -1)

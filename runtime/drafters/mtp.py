@@ -325,7 +325,7 @@ class MTPDrafter(Drafter):
             m.cache.keep(r, [])  # drop the temporary rows of the chain
         # append: `propose` consumes pending, but a cycle that verified no tree (one token left) did not run
         # the modules over the previous cycle's rows, and those must not be lost
-        self.pending[0] = self.pending[0] + list(taps[self.target_taps[0]])
+        self.pending[0].extend(taps[self.target_taps[0]])
 
 
 # -- built from a bundle entry ------------------------------------------------------------------

@@ -25,8 +25,10 @@ DRAFTERS = ["draft_model", "ngram", "eagle", "eagle2", "eagle3", "eagle3_chain",
 
 def skipping_policy(k_max: int = 4) -> AdaptivePolicy:
     """Verify rows that cost 60 % of a step each and a pessimistic prior: most cycles draft nothing, every third
-    idle cycle probes two nodes, and where the drafter is right the budget grows."""
-    return AdaptivePolicy(CostModel(((1, 1.0), (2, 1.6))), k_max, probe_every=3, probe_depth=2, prior=0.3)
+    idle cycle probes two nodes (whatever a probe costs: no probe_share), and where the drafter is right the
+    budget grows."""
+    return AdaptivePolicy(CostModel(((1, 1.0), (2, 1.6))), k_max, probe_every=3, probe_depth=2, prior=0.3,
+                          probe_share=None)
 
 
 def needs_zoo():
@@ -54,7 +56,7 @@ def test_adaptive_shapes_keep_greedy_output_identical_to_plain_decoding_for_ever
 
 
 def test_the_rule_drafts_nothing_where_the_drafter_is_rarely_right_and_probes_now_and_then():
-    policy = AdaptivePolicy(CostModel(((1, 1.0), (2, 1.3))), 4, probe_every=5, probe_depth=2)
+    policy = AdaptivePolicy(CostModel(((1, 1.0), (2, 1.3))), 4, probe_every=5, probe_depth=2, probe_share=None)
     for _ in range(40):  # the drafter's first token is accepted one time in ten
         policy.observe("action/greedy", 2, 0, 3, 1.3, 0.1)
     policy.observe("action/greedy", 2, 1, 3, 1.3, 0.1)
@@ -262,7 +264,8 @@ def run_idle_template(policy: AdaptivePolicy, key: str, cycles: int, accepted: i
 def test_each_probe_that_does_not_pay_doubles_the_wait_before_the_next_one():
     """A probe costs a catch-up on every token since the drafter last ran, so a template where drafting never
     pays is probed ever more rarely (after 16, 32, 64, 128, 256 cycles, then every 256): 5 probes in 600 cycles, not 37."""
-    policy = AdaptivePolicy(CostModel(((1, 1.0), (2, 1.5))), 4, probe_every=16, probe_max=256, prior=0.1)
+    policy = AdaptivePolicy(CostModel(((1, 1.0), (2, 1.5))), 4, probe_every=16, probe_max=256, prior=0.1,
+                            probe_share=None)  # (the wait by the doubling rule alone: see the next test)
     assert run_idle_template(policy, "action/greedy", 600) == 5
     assert policy.interval["action/greedy"] == 256
     # where drafting pays again, the first probe taken whole brings the short interval back, and drafting follows
@@ -270,10 +273,32 @@ def test_each_probe_that_does_not_pay_doubles_the_wait_before_the_next_one():
     assert policy.interval["action/greedy"] == 16
 
 
+def test_probes_never_take_more_than_their_share_of_a_templates_time():
+    """Whatever the doubling rule says, a probe that costs c plain steps beyond the step it replaces is followed by
+    at least c / probe_share idle cycles (2 % here), by what the template's last probe was timed at. Here each
+    probe is taken whole, which would bring the wait back to 16 cycles, but costs 3 steps over a plain one (its
+    catch-up and verify rows; drafting never pays at these costs): after the first (at 16), one per 150 cycles,
+    not one per 17."""
+    policy = AdaptivePolicy(CostModel(((1, 1.0), (2, 2.0)), draft_fixed=1.0), 4, probe_every=16, prior=0.1,
+                            probe_share=0.02)
+    probes = []
+    for cycle in range(600):
+        b = policy.budget("action/greedy")
+        if b:
+            probes.append(cycle)
+        policy.observe("action/greedy", b, b, b + 1, 3.0 if b else 1.0, 1.0 if b else 0.0)  # taken whole
+    assert probes == [15, 165, 315, 465], probes
+    # probes measured cheaper (half a step over a plain one) may come sooner: 25 cycles, as the cost allows
+    for _ in range(151):
+        b = policy.budget("action/greedy")
+        policy.observe("action/greedy", b, b, b + 1, 1.2 if b else 1.0, 0.3 if b else 0.0)
+    assert policy.interval["action/greedy"] == 25
+
+
 def test_a_probe_drafts_its_nodes_whole_and_a_plain_step_builds_no_node_rule():
     """A probe is there to measure its nodes (its catch-up is paid anyway), so no per-node rule cuts it; and the
     engine builds no rule at all for a cycle that drafts nothing."""
-    policy = AdaptivePolicy(CostModel(((1, 1.0), (2, 1.5))), 4, probe_every=3, prior=0.1)
+    policy = AdaptivePolicy(CostModel(((1, 1.0), (2, 1.5))), 4, probe_every=3, prior=0.1, probe_share=None)
     budgets = [policy.budget("text/greedy") for _ in range(3)]
     assert budgets == [0, 0, 2] and policy.node_rule("text/greedy") is None
     needs_zoo()
@@ -291,7 +316,7 @@ def test_a_probe_drafts_its_nodes_whole_and_a_plain_step_builds_no_node_rule():
             return super().node_rule(key)
 
     s = Session.open(ZOO, drafter="ngram")
-    s.engine.policy = Counting(CostModel(((1, 1.0), (2, 1.6))), 4, probe_every=3, prior=0.05)
+    s.engine.policy = Counting(CostModel(((1, 1.0), (2, 1.6))), 4, probe_every=3, prior=0.05, probe_share=None)
     out = s.generate(PROMPTS[1], GenerationParams(max_tokens=24))
     s.close()
     assert out.stats.skipped_cycles > 0 and 0 < Counting.rules == Counting.drafting, out.stats

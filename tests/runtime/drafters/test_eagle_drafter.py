@@ -19,6 +19,7 @@ from runtime.drafters.eagle import UNMAPPED, DynamicTree, EagleDrafter, dynamic_
 from runtime.decode.engine import Engine
 from runtime.memory.kv import KVArena
 from runtime.sampling import SamplingParams
+from runtime.speculation import Calibration, CostModel, NodeRule
 from runtime.tree import DraftTree
 from tests.support.eagle_tiny import eagle1_checkpoint, eagle3_checkpoint
 from tests.support.hf_tiny import tiny_hf_model
@@ -120,6 +121,52 @@ def test_dynamic_tree_keeps_the_best_paths_parents_first():
     tokens, parents, _ = dynamic_tree(expand, logp({0: -0.1, 1: -2.5}), DynamicTree(60, 2, 2), 100)
     assert tokens == [0, 1, 2, 3, 4, 5] and parents == [-1, -1, 0, 0, 1, 1]
     assert dynamic_tree(expand, logp({0: -0.1, 1: -2.5}), DynamicTree(60, 2, 2), 4)[0] == [0, 1, 2, 4]
+
+
+def test_a_dynamic_tree_of_a_small_budget_is_the_full_searchs_best_nodes_for_a_fraction_of_the_expansions():
+    # A probe of 2 nodes (or any budget below top_k / depth) keeps exactly the best `budget` nodes of the full
+    # search (top_k 4, depth 4), cut where they stop paying under a node rule, and expands only budget-wide levels.
+    cal = Calibration(prior_weight=0.0)
+    cal.observe([0.05, 0.25, 0.45, 0.55, 0.75, 0.97], [False, False, False, True, True, True])
+    stop = NodeRule(CostModel(((1, 1.0), (2, 1.2))), cal, rate=1.5)
+    shape = DynamicTree(total_tokens=60, depth=4, top_k=4)
+    for seed in range(30):
+        def row(path):  # the drafter's log-probabilities after a path: a function of the path only
+            r = np.random.default_rng([seed, *path]).dirichlet(np.full(12, 0.3))
+            with np.errstate(divide="ignore"):
+                return np.log(r)
+        runs = []
+
+        def expand(frontier, tokens, parents):
+            runs.append(len(frontier))
+            return [row([tokens[a] for a in path_of(parents, n)]) for n in frontier]
+
+        full = dynamic_tree(expand, row([]), shape, 100)
+        ranked = sorted(range(len(full[0])), key=lambda n: (-full[2][n], n))
+        for budget in (1, 2, 3):
+            for rule in (None, stop):
+                best = ranked[:budget]
+                if rule is not None:
+                    paying = [rule.pays(rule.fixed_gain(full[2][n]), i) for i, n in enumerate(best)]
+                    best = best[:paying.index(False) if False in paying else len(best)]
+                runs.clear()
+                tokens, parents, _ = dynamic_tree(expand, row([]), shape, budget, rule)
+                assert paths_of(tokens, parents) == paths_of(*full[:2], sorted(best)), (seed, budget, rule)
+                assert len(runs) <= budget - 1 and all(r <= budget for r in runs)
+
+
+def path_of(parents, n):
+    out = []
+    while n >= 0:
+        out.append(n)
+        n = parents[n]
+    return out[::-1]
+
+
+def paths_of(tokens, parents, nodes=None):
+    """The set of token paths (root down) of the tree's nodes (or of `nodes` only)."""
+    nodes = range(len(tokens)) if nodes is None else nodes
+    return {tuple(tokens[a] for a in path_of(parents, n)) for n in nodes}
 
 
 def test_dynamic_trees_respect_the_node_budget_and_order(model):
