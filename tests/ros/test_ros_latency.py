@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from edgespec_ros.latency import METRICS, SCENARIOS, Call, summarize
+from edgespec_ros.latency import METRICS, SCENARIOS, Call, speedups, summarize
 from tests.ros.conftest import ROOT, start_node
 
 
@@ -24,6 +24,18 @@ def test_summary_gives_percentiles_per_metric_and_counts_deadline_misses():
     assert s["rtt_s"]["p50"] == pytest.approx(0.055) and s["rtt_s"]["max"] == pytest.approx(0.1)
     assert s["rtt_s"]["p50"] <= s["rtt_s"]["p90"] <= s["rtt_s"]["p99"] <= s["rtt_s"]["max"]
     assert set(s) >= set(METRICS)
+
+
+def test_speedup_lines_compare_the_robots_round_trip_with_the_decoding_speedup():
+    def row(node, rtt, gen):
+        return {"node": node, "scenario": "generate@2Hz", "rtt_s": {"p50": rtt}, "gen_s": {"p50": gen}}
+
+    # decoding 2x faster, but a 10 ms fixed cost per goal on both nodes: the robot feels 1.82x
+    got = speedups({"rows": [row("/spec", 0.060, 0.050), row("/plain", 0.110, 0.100)]})
+    assert [g["scenario"] for g in got] == ["generate@2Hz"]
+    assert got[0]["gen_speedup"] == pytest.approx(2.0) and got[0]["rtt_speedup"] == pytest.approx(0.110 / 0.060)
+    assert got[0]["ratio"] == pytest.approx((0.110 / 0.060) / 2.0)
+    assert speedups({"rows": [row("/spec", 0.06, 0.05)]}) == []  # one node: nothing to compare
 
 
 @pytest.mark.slow
@@ -44,6 +56,8 @@ def test_latency_tool_short_mode_measures_both_nodes_in_every_scenario(tiny_bund
     got = json.loads(out_json.read_text())
     rows = {(r["node"], r["scenario"]): r for r in got["rows"]}
     assert set(rows) == {(n, s) for n in ("/lat_spec/edgespec", "/lat_plain/edgespec") for s in SCENARIOS}
+    assert [sp["scenario"] for sp in got["speedups"]] == list(SCENARIOS)
+    assert "round-trip speedup / generation speedup" in run.stdout
     for row in rows.values():
         assert row["calls"] >= 1 and row["answered"] + row["failed"] == row["calls"]
         assert row["answered"] >= 1, row

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from typing import Callable, List, Optional
 
 from edgespec_ros import messages
 
@@ -13,7 +14,8 @@ class HealthMixin:
         with self._lock:
             self._counts[key] += 1
 
-    def _finished(self, stats) -> None:
+    def _finished(self, stats, later: Optional[List[Callable[[], None]]] = None) -> None:
+        """Count a served request; its stats go to ~/stats now, or via `later` once the answer is sent."""
         with self._lock:
             self._counts["served"] += 1
             self._failing = False
@@ -21,7 +23,11 @@ class HealthMixin:
             self._last_ttft_s = float(stats.ttft_s)
             self._prefix = (int(stats.prefix_hits), int(stats.prefix_misses), int(stats.prefix_tokens))
             self._memory_bytes = int(stats.memory_bytes) or self._memory_bytes
-        self._stats_pub.publish(messages.stats_msg(stats))
+        publish = lambda: self._stats_pub.publish(messages.stats_msg(stats))  # noqa: E731
+        if later is None:
+            publish()
+        else:
+            later.append(publish)
 
     def _failed(self, message: str) -> None:
         with self._lock:

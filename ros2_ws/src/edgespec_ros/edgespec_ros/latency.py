@@ -9,6 +9,8 @@ the last answer is back (a control loop does not wait), with `deadline_s` = the 
     actions@5Hz, actions@10Hz   ~/action_tokens, one 8x7 chunk (56 tokens), the observation moving each call
     plan@1Hz                    ~/plan, up to 128 tokens, the same task with a new observation each call
     probe@10Hz                  ~/plan with max_tokens 1: the ROS/node overhead of a 1-token request
+    generate@2Hz                ~/generate, the demo's streamed greedy goal (64 tokens, feedback on): a
+                                goal's fixed cost (send_goal, accept, feedback, get_result) on top of decoding
 
 Per call, on the client's monotonic clock and from the response's stats:
 
@@ -20,7 +22,9 @@ Per call, on the client's monotonic clock and from the response's stats:
 
 A deadline miss is a round trip over the period, or a request the node cut at its deadline. Nodes are
 measured side by side: the rounds alternate which node goes first, each round runs every scenario on
-every node for duration / rounds seconds.
+every node for duration / rounds seconds. With both nodes, each scenario also gets a speedup line: the
+plain node's median round trip over the speculative one's, against the same ratio of median generation
+times, and their quotient (1.0: the robot feels all of the decoding speed-up; a goal's fixed cost lowers it).
 """
 from __future__ import annotations
 
@@ -62,7 +66,9 @@ SCENARIOS: Dict[str, Scenario] = {s.name: s for s in (
     Scenario("actions@10Hz", "action_tokens", 10.0),
     Scenario("plan@1Hz", "plan", 1.0, max_tokens=128),
     Scenario("probe@10Hz", "plan", 10.0, max_tokens=1),
+    Scenario("generate@2Hz", "generate", 2.0, max_tokens=64),
 )}
+GENERATE_PROMPT = "<|bos|><|plan|>give the blue mug from the office to Alice in the kitchen, then wait 5 seconds<|sep|>"
 
 
 @dataclass
@@ -107,7 +113,11 @@ def observation(index: int) -> List[float]:
 
 
 def _request(scenario: Scenario, index: int):
+    from edgespec_interfaces.action import Generate
     from edgespec_interfaces.srv import ActionTokens, Plan
+
+    if scenario.service == "generate":  # a raw prompt: the demo's planner prompt, streamed
+        return Generate.Goal(prompt=GENERATE_PROMPT, max_tokens=scenario.max_tokens, temperature=0.0, seed=index)
 
     # seed = the call's index: ignored by greedy decoding, it names the call in the node's log
     if scenario.service == "action_tokens":
@@ -120,16 +130,15 @@ def _request(scenario: Scenario, index: int):
 
 def run_scenario(executor, client, scenario: Scenario, duration_s: float, answer_timeout_s: float = 30.0) -> List[Call]:
     """Send on schedule for `duration_s`, then wait for the last answers."""
-    service = client.actions_client if scenario.service == "action_tokens" else client.plan_client
+    service = {"action_tokens": client.actions_client, "plan": client.plan_client}.get(scenario.service)
     calls: List[Call] = []
     pending = 0
 
-    def on_done(call: Call, future) -> None:
+    def on_done(call: Call, resp) -> None:
         nonlocal pending
         received = time.monotonic()
         pending -= 1
         call.rtt_s = received - call.sent
-        resp = future.result()
         call.success, call.message, call.finish_reason = bool(resp.success), resp.message, resp.finish_reason
         s = resp.stats
         call.gen_s, call.queue_s, call.ttft_s, call.tokens = s.wall_s, s.queue_s, s.ttft_s, int(s.tokens)
@@ -144,8 +153,10 @@ def run_scenario(executor, client, scenario: Scenario, duration_s: float, answer
             executor.spin_once(timeout_sec=left)
         call = Call(client.path, scenario.name, i, time.monotonic())
         pending += 1
-        future = service.call_async(_request(scenario, i))
-        future.add_done_callback(lambda f, c=call: on_done(c, f))
+        if service is None:
+            _send_goal(client, _request(scenario, i), lambda resp, c=call: on_done(c, resp))
+        else:
+            service.call_async(_request(scenario, i)).add_done_callback(lambda f, c=call: on_done(c, f.result()))
         calls.append(call)
     give_up = time.monotonic() + answer_timeout_s
     while pending and time.monotonic() < give_up:
@@ -154,6 +165,40 @@ def run_scenario(executor, client, scenario: Scenario, duration_s: float, answer
         if not np.isfinite(c.rtt_s):
             c.message, c.missed = f"no answer within {answer_timeout_s} s", True
     return calls
+
+
+def _send_goal(client, goal, on_result) -> None:
+    """Send a Generate goal with feedback on (the text streams, as a robot's UI would take it); `on_result`
+    gets its Generate.Result (a failed one if the goal is rejected)."""
+    from edgespec_interfaces.action import Generate
+
+    def accepted(future) -> None:
+        handle = future.result()
+        if handle.accepted:
+            handle.get_result_async().add_done_callback(lambda f: on_result(f.result().result))
+        else:
+            on_result(Generate.Result(success=False, message="goal rejected"))
+
+    client.generate_client.send_goal_async(goal, feedback_callback=lambda _fb: None).add_done_callback(accepted)
+
+
+def speedups(result: Dict[str, object]) -> List[Dict[str, object]]:
+    """Per scenario with both nodes: plain / speculative median round trip, the same of median generation
+    time, and round-trip speedup / generation speedup."""
+    rows = {(r["node"], r["scenario"]): r for r in result["rows"]}
+    nodes = list(dict.fromkeys(r["node"] for r in result["rows"]))
+    out = []
+    if len(nodes) < 2:
+        return out
+    spec, plain = nodes[0], nodes[1]
+    for name in dict.fromkeys(r["scenario"] for r in result["rows"]):
+        a, b = rows.get((spec, name)), rows.get((plain, name))
+        if not a or not b or "p50" not in a["rtt_s"] or "p50" not in b["rtt_s"]:
+            continue
+        rtt = b["rtt_s"]["p50"] / a["rtt_s"]["p50"]
+        gen = b["gen_s"]["p50"] / a["gen_s"]["p50"] if a["gen_s"].get("p50") else float("nan")
+        out.append({"scenario": name, "rtt_speedup": rtt, "gen_speedup": gen, "ratio": rtt / gen})
+    return out
 
 
 def measure(executor, clients, scenarios: Sequence[Scenario], duration_s: float, rounds: int,
@@ -172,8 +217,10 @@ def measure(executor, clients, scenarios: Sequence[Scenario], duration_s: float,
     rows = []
     for (path, name), got in calls.items():
         rows.append({"node": path, "scenario": name, **summarize(got, SCENARIOS[name].period_s)})
-    return {"duration_s": duration_s, "rounds": rounds, "rows": rows,
-            "calls": [asdict(c) for got in calls.values() for c in got]}
+    result = {"duration_s": duration_s, "rounds": rounds, "rows": rows,
+              "calls": [asdict(c) for got in calls.values() for c in got]}
+    result["speedups"] = speedups(result)
+    return result
 
 
 def _ms(d: Dict[str, float], key: str) -> str:
@@ -191,6 +238,9 @@ def table(result: Dict[str, object]) -> str:
                      f"{_ms(gen, 'p50')} / {_ms(gen, 'p99')} | {_ms(ttft, 'p50')} / {_ms(ttft, 'p99')} | "
                      f"{_ms(q, 'p50')} / {_ms(q, 'p99')} | "
                      f"{_ms(ov, 'p50')} / {_ms(ov, 'p90')} / {_ms(ov, 'p99')} / {_ms(ov, 'max')} |")
+    for sp in result.get("speedups", []):
+        lines.append(f"{sp['scenario']}: round trip {sp['rtt_speedup']:.2f}x, generation {sp['gen_speedup']:.2f}x "
+                     f"(plain / speculative, medians): round-trip speedup / generation speedup = {sp['ratio']:.2f}")
     return "\n".join(lines) + (f"\n(ms; misses: round trip over the period, or cut at deadline_s = the period; "
                                f"client executor: {result.get('client_executor', '?')})")
 

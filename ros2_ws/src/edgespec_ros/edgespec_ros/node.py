@@ -7,10 +7,10 @@
     shutdown   -> finalized: requests are refused until the process restarts
     SIGINT/SIGTERM -> drain: refuse new requests, answer the queued ones, stop the running one, exit 0
 
-Requests are served one at a time (batch 1) from a RequestQueue; the service callbacks and the
-action's execution wait there, in a reentrant callback group of a hidden helper node with its own
-MultiThreadedExecutor (edgespec_ros.request_node says why), while the diagnostics timer and the
-lifecycle and parameter services run on this node's executor.
+Requests are served one at a time (batch 1) from a RequestQueue. ~/plan and ~/action_tokens live on a
+hidden helper node served by a ServiceLoop (each request on the thread that took it from the wait set:
+edgespec_ros.service_loop), ~/generate on another with its own MultiThreadedExecutor (edgespec_ros.request_node
+says why), while the diagnostics timer and the lifecycle and parameter services run on this node's executor.
 Uses only rclpy API common to Humble, Jazzy and Kilted.
 """
 from __future__ import annotations
@@ -40,6 +40,7 @@ from edgespec_ros.parameters import declare_parameters
 from edgespec_ros.qos import REQUEST_QOS, action_qos_kwargs
 from edgespec_ros.request_node import RequestSpinner, create_request_node, request_name
 from edgespec_ros.request_queue import RequestQueue
+from edgespec_ros.service_loop import ServiceLoop
 from edgespec_ros.serving import ServingMixin
 from runtime.errors import EdgespecError
 from runtime.serving.session import Session, return_large_blocks_on_free
@@ -72,17 +73,18 @@ class EdgespecNode(LifecycleMixin, ServingMixin, HealthMixin, DrainMixin, Lifecy
         self._pacers = {name: AnswerPacer(self.p.answer_interval_s) for name in ("plan", "action_tokens", "goal",
                                                                                   "result")}
 
-        # Generation waits and runs here; everything else lives in other groups so it keeps running.
-        self.generation_group = ReentrantCallbackGroup()
+        # The action's callbacks (its execution waits in the queue) apart from diagnostics, so both keep running.
         self._action_control_group = ReentrantCallbackGroup()
         self._diagnostics_group = MutuallyExclusiveCallbackGroup()
 
         # Every request reaches a callback, to be queued or refused: see edgespec_ros.qos.
+        self.service_node = services = create_request_node(self, "services")  # never added to an executor
+        plan = services.create_service(Plan, request_name(self, "plan"), self._on_plan, qos_profile=REQUEST_QOS)
+        actions = services.create_service(ActionTokens, request_name(self, "action_tokens"),
+                                          self._on_action_tokens, qos_profile=REQUEST_QOS)
+        # action requests first when both wait: a control loop's chunk is the more urgent
+        self.service_handlers = [(actions, self._answer_action_tokens), (plan, self._answer_plan)]
         self.request_node = requests = create_request_node(self)
-        requests.create_service(Plan, request_name(self, "plan"), self._on_plan, qos_profile=REQUEST_QOS,
-                                callback_group=self.generation_group)
-        requests.create_service(ActionTokens, request_name(self, "action_tokens"), self._on_action_tokens,
-                                qos_profile=REQUEST_QOS, callback_group=self.generation_group)
         self._action_server = ActionServer(
             requests, Generate, request_name(self, "generate", service=False), execute_callback=self._on_generate,
             goal_callback=self._on_goal, cancel_callback=lambda _goal: CancelResponse.ACCEPT,
@@ -107,11 +109,13 @@ def main(args=None) -> int:
     received = []
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda num, _frame: received.append(signal.Signals(num).name))
-    node = executor = request_spinner = None
+    node = executor = request_spinner = service_loop = None
     try:
         node = EdgespecNode()
         executor = MultiThreadedExecutor(num_threads=4)  # lifecycle, parameters, diagnostics
         executor.add_node(node)
+        # one thread per request waiting its turn (the queue's limit) plus a few for refusals, on each path
+        service_loop = ServiceLoop(node.service_node, node.service_handlers, threads=node.queue.limit + 4).start()
         request_spinner = RequestSpinner(node.request_node, threads=node.queue.limit + 4).start()
         if node.p.autostart:
             if node.trigger_configure() == TransitionCallbackReturn.SUCCESS:
@@ -125,11 +129,14 @@ def main(args=None) -> int:
         print(f"edgespec_node: error: {exc}", file=sys.stderr)
         return 2
     finally:
+        if service_loop is not None:
+            service_loop.stop()
         if request_spinner is not None:
             request_spinner.stop()
         if executor is not None:
             executor.shutdown()
         if node is not None:
+            node.service_node.destroy_node()
             node.request_node.destroy_node()
             node.destroy_node()
         rclpy.try_shutdown()

@@ -1,5 +1,6 @@
-"""The node's request entities (~/plan, ~/action_tokens, ~/generate) on a hidden node with an executor of
-their own, so a request wakes only a small wait set.
+"""The node's request entities on hidden nodes of their own, so a request wakes only a small wait set:
+~/plan and ~/action_tokens on one served by a ServiceLoop (edgespec_ros.service_loop: no executor), ~/generate
+(the action: goal, cancel and result services, feedback and status topics) on one with an executor.
 
 Why: rclpy's Python executors rebuild the whole wait set on every wake-up, and a service request costs three
 (the request, its hand-off to a thread, its end). The lifecycle node also holds 14 services (parameters,
@@ -21,10 +22,10 @@ from rclpy.node import Node
 from rclpy.parameter import Parameter
 
 
-def create_request_node(owner: Node) -> Node:
-    """A hidden node in the owner's namespace and context, without parameter or type description services
-    (fewer entities: the owner offers both)."""
-    return rclpy.create_node(f"_{owner.get_name()}_requests", namespace=owner.get_namespace(), context=owner.context,
+def create_request_node(owner: Node, role: str = "requests") -> Node:
+    """A hidden node (`_<owner>_<role>`) in the owner's namespace and context, without parameter or type
+    description services (fewer entities: the owner offers both)."""
+    return rclpy.create_node(f"_{owner.get_name()}_{role}", namespace=owner.get_namespace(), context=owner.context,
                              use_global_arguments=False, start_parameter_services=False, enable_rosout=False,
                              parameter_overrides=[Parameter("start_type_description_service", value=False)])
 

@@ -6,7 +6,7 @@ import dataclasses
 import math
 import time
 import traceback
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Tuple
 
 from edgespec_interfaces.action import Generate
 from edgespec_interfaces.srv import ActionTokens, Plan
@@ -22,33 +22,45 @@ from runtime.serving.session import GenerationParams, Session
 class ServingMixin:
     """Request callbacks of EdgespecNode."""
 
-    def _on_plan(self, req: Plan.Request, resp: Plan.Response) -> Plan.Response:
-        with self._tracked():
-            resp = self._plan(req, resp)
-            self._pacers["plan"].wait(self.in_flight())
-            return resp
-
-    def _plan(self, req: Plan.Request, resp: Plan.Response) -> Plan.Response:
+    # Service handlers of the ServiceLoop (edgespec_ros.service_loop): (response, what to do once it is sent).
+    def _answer_plan(self, req: Plan.Request) -> Tuple[Plan.Response, Callable[[], None]]:
         def run(session: Session, params: GenerationParams, _stop):
             return session.plan(req.instruction, context=req.context, observation=req.observation, params=params,
                                 schema=req.schema or None)
 
-        return self._serve("plan", req, resp, PRIORITY_NORMAL, run, messages.fill_plan)
+        return self._answer("plan", req, Plan.Response(), PRIORITY_NORMAL, run, messages.fill_plan)
 
-    def _on_action_tokens(self, req: ActionTokens.Request, resp: ActionTokens.Response) -> ActionTokens.Response:
-        with self._tracked():
-            resp = self._action_tokens(req, resp)
-            self._pacers["action_tokens"].wait(self.in_flight())
-            return resp
-
-    def _action_tokens(self, req: ActionTokens.Request, resp: ActionTokens.Response) -> ActionTokens.Response:
+    def _answer_action_tokens(self, req: ActionTokens.Request) -> Tuple[ActionTokens.Response, Callable[[], None]]:
         def run(session: Session, params: GenerationParams, _stop):
             chunk = {"num_actions": int(req.num_actions)} if req.num_actions else {}  # 0: the runtime's default
             return session.action_tokens(req.instruction, observation=list(req.observation),
                                          observation_text=req.observation_text, params=params, **chunk)
 
         priority = PRIORITY_ACTIONS if self.p.prioritise_actions else PRIORITY_NORMAL
-        return self._serve("action_tokens", req, resp, priority, run, messages.fill_action_tokens)
+        return self._answer("action_tokens", req, ActionTokens.Response(), priority, run, messages.fill_action_tokens)
+
+    def _answer(self, kind: str, req, resp, priority: int, run, fill):
+        later: List[Callable[[], None]] = []
+        with self._tracked():
+            resp = self._serve(kind, req, resp, priority, run, fill, later=later)
+            self._pacers[kind].wait(self.in_flight())
+
+        def then() -> None:
+            for f in later:
+                f()
+
+        return resp, then
+
+    # The same as rclpy service callbacks (a node spun by an executor instead of the ServiceLoop).
+    def _on_plan(self, req: Plan.Request, _resp: Plan.Response) -> Plan.Response:
+        resp, then = self._answer_plan(req)
+        then()
+        return resp
+
+    def _on_action_tokens(self, req: ActionTokens.Request, _resp: ActionTokens.Response) -> ActionTokens.Response:
+        resp, then = self._answer_action_tokens(req)
+        then()
+        return resp
 
     def _on_goal(self, goal: Generate.Goal) -> GoalResponse:
         """Accept a goal only with its place in the queue taken: a goal accepted on a free slot that another
@@ -106,10 +118,12 @@ class ServingMixin:
         return result
 
     def _serve(self, kind: str, req, resp, priority: int, run, fill, prompt_field: str = "instruction",
-               cancelled: Callable[[], bool] = lambda: False, ticket=None, received: Optional[float] = None):
+               cancelled: Callable[[], bool] = lambda: False, ticket=None, received: Optional[float] = None,
+               later: Optional[List[Callable[[], None]]] = None):
         """Check, queue, generate, answer. Every outcome lands in `resp`; nothing escapes to rclpy. `ticket`:
         the queue place taken when the goal was accepted; `received`: when the request arrived (queue_s counts
-        from there, the checks included)."""
+        from there, the checks included); `later`: where to leave the ~/stats publication for after the answer
+        is sent (None: publish now)."""
         received = received if received is not None else time.monotonic()
         try:
             params = self._params(req, prompt_field)
@@ -148,7 +162,7 @@ class ServingMixin:
             fill(resp, res)
             resp.success = True
             resp.stats = messages.stats_msg(res.stats, ticket.started_at - received)
-            self._finished(res.stats)
+            self._finished(res.stats, later)
         except RequestError as exc:
             resp.success, resp.error_field, resp.message = False, exc.field, str(exc)
             self._count("queue_full" if exc.field == "queue" else "failed")  # a full queue is load, not a failure
