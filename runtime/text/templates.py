@@ -136,6 +136,8 @@ class PromptFormat:
     eos_tokens: Tuple[str, ...] = ()  # generation ends at any of these tokens
     chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false} for Qwen3
     source: str = "prompts"  # where it was read, for messages
+    # render_parts' marked texts of raw templates, by (task, which values are non-empty): see render_parts
+    _marked: Dict[tuple, str] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def has(self, task: str) -> bool:
         return task in self.tasks
@@ -157,11 +159,23 @@ class PromptFormat:
         """`render` plus where each request value landed in the text (see RenderedPrompt). The template is
         rendered once more with a marker in place of each non-empty value (an empty one stays empty, so
         `{% if context %}` reads it); splicing the values back must give `render`'s text exactly.
-        `fields`: the request field a value came from, when it is not the variable's name."""
-        text = self.render(task, **values)
+        `fields`: the request field a value came from, when it is not the variable's name.
+
+        A raw template that only prints its values and tests whether they are empty (`splices_values`: the
+        zoo's) renders the same text for every request with the same empty / non-empty values, so its marked
+        text is rendered once per such shape and kept: a request then costs one splice, no Jinja."""
         named = tuple((fields or {}).get(k, k) for k in values)
         keys = list(values)
-        marked = self.render(task, **{k: (_MARK.format(i) if v else v) for i, (k, v) in enumerate(values.items())})
+        template = self.template(task)
+        shape = (task, tuple((k, bool(v)) for k, v in values.items()))
+        marked = self._marked.get(shape) if not template.chat else None
+        if marked is None:
+            marked = self.render(task, **{k: (_MARK.format(i) if v else v) for i, (k, v) in enumerate(values.items())})
+            if not template.chat and splices_values(template.raw) and len(self._marked) < 64:
+                self._marked[shape] = marked
+            text = self.render(task, **values)
+        else:
+            text = None  # the splice is the rendered text (splices_values)
         pieces, spans, pos, at = [], [], 0, 0
         for m in _MARKS.finditer(marked):
             pieces.append(marked[pos:m.start()])
@@ -173,9 +187,10 @@ class PromptFormat:
             pos = m.end()
         pieces.append(marked[pos:])
         pairs = tuple(zip(named, values.values()))
-        if "".join(pieces) != text:
+        spliced = "".join(pieces)
+        if text is not None and spliced != text:
             return RenderedPrompt(text, (), pairs, exact=False)
-        return RenderedPrompt(text, tuple(spans), pairs)
+        return RenderedPrompt(spliced, tuple(spans), pairs)
 
     def render_chat(self, messages: List[Dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The chat template applied to `messages`, as transformers' apply_chat_template(tokenize=False) does."""
@@ -295,6 +310,30 @@ def task_template(d: Any, task: str, where: str, special: Optional[set] = frozen
                 raise BundleError(f"{where}.{k}: uses {missing[0]!r}, which this model does not define "
                                   "(prompts.special_tokens); write the token itself")
     return t
+
+
+@functools.lru_cache(maxsize=64)
+def splices_values(source: str) -> bool:
+    """Whether a task template only prints each request value as it is (`{{ name }}`, no filter, no
+    attribute) and only tests it for emptiness (`{% if name %}`, `{% if not name %}`): then the text of a
+    request is the text rendered with markers for its non-empty values, the values spliced back in.
+
+    Worked examples: '<|bos|><|plan|>{{ instruction }}{% if context %}<|ctx|>{{ context }}{% endif %}<|sep|>'
+    -> True; '{{ instruction | trim }}' -> False (a filter changes it); '{% if instruction == "x" %}' -> False."""
+    try:
+        ast = _TASK_ENV.parse(source)
+    except jinja2.TemplateSyntaxError:
+        return False
+    allowed = set()  # ids of the Name nodes used as a bare print or a bare truth test
+    for output in ast.find_all(jinja2.nodes.Output):
+        allowed.update(id(n) for n in output.nodes if isinstance(n, jinja2.nodes.Name))
+    for cond in ast.find_all(jinja2.nodes.If):
+        test = cond.test.node if isinstance(cond.test, jinja2.nodes.Not) else cond.test
+        if isinstance(test, jinja2.nodes.Name):
+            allowed.add(id(test))
+    names = [n for n in ast.find_all(jinja2.nodes.Name) if n.name not in SPECIAL_TOKEN_NAMES]
+    return all(id(n) in allowed for n in names) and not any(ast.find_all((jinja2.nodes.Assign, jinja2.nodes.For,
+                                                                          jinja2.nodes.Macro, jinja2.nodes.Call)))
 
 
 def check_syntax(env: jinja2.Environment, source: str, where: str) -> set:

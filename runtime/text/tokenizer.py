@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from typing import List, Optional, Sequence
 
 from runtime.errors import BundleError, RequestError
@@ -29,6 +31,8 @@ class Tokenizer:
         self._text_tok.encode_special_tokens = True
         self.added = {t["content"]: int(t["id"]) for t in spec.get("added_tokens", [])}
         self._added_ids = set(self.added.values())
+        self._text_cache = _Recent(TEXT_CACHE)  # request text -> its ids as text
+        self._piece_cache = _Recent(256)  # a template piece -> its added tokens (start, end, id)
 
     @property
     def vocab_size(self) -> int:
@@ -52,12 +56,29 @@ class Tokenizer:
         if not prompt.exact:
             self.refuse_control_text(prompt.values)
             return self.encode(prompt.text)
-        text, ids, pos = prompt.text, [], 0
-        for start, end, tid in self._template_tokens(prompt):
-            ids += self.encode_text(text[pos:start])
-            ids.append(tid)
+        text, cuts, stretches, pos = prompt.text, list(self._template_tokens(prompt)), [], 0
+        for start, end, _ in cuts:
+            stretches.append(text[pos:start])
             pos = end
-        return ids + self.encode_text(text[pos:])
+        stretches.append(text[pos:])
+        encoded = self._encode_texts(stretches)
+        ids: List[int] = []
+        for stretch_ids, (_, _, tid) in zip(encoded, cuts):
+            ids += stretch_ids
+            ids.append(tid)
+        return ids + encoded[-1]
+
+    def _encode_texts(self, texts: Sequence[str]) -> List[List[int]]:
+        """encode_text of each, in one call of the tokenizer for those not seen lately (a robot repeats its
+        instructions; the short ones are kept, up to TEXT_CACHE entries)."""
+        out: List[Optional[List[int]]] = [[] if not t else self._text_cache.get(t) for t in texts]
+        todo = [i for i, ids in enumerate(out) if ids is None]
+        if todo:
+            for i, enc in zip(todo, self._text_tok.encode_batch([texts[i] for i in todo], add_special_tokens=False)):
+                out[i] = list(enc.ids)
+                if len(texts[i]) <= TEXT_CACHE_CHARS:
+                    self._text_cache.put(texts[i], out[i])
+        return [list(ids) for ids in out]
 
     def refuse_control_text(self, values) -> None:
         """Refuse a request value holding an added token's text (where the template hid the value's place)."""
@@ -75,10 +96,14 @@ class Tokenizer:
                 edges.append((pos, start))
             pos = max(pos, end)
         for a, b in edges:
-            enc = _encode(self._tok, text[a:b])
-            for tid, (s, e) in zip(enc.ids, enc.offsets):
-                if tid in self._added_ids:
-                    yield a + s, a + e, tid
+            piece = text[a:b]
+            found = self._piece_cache.get(piece)
+            if found is None:  # the template's own text: a handful of distinct pieces per bundle
+                enc = _encode(self._tok, piece)
+                found = [(s, e, tid) for tid, (s, e) in zip(enc.ids, enc.offsets) if tid in self._added_ids]
+                self._piece_cache.put(piece, found)
+            for s, e, tid in found:
+                yield a + s, a + e, tid
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -88,6 +113,31 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> Optional[str]:
         return self._tok.id_to_token(int(token_id))
+
+
+TEXT_CACHE = 512  # request texts kept with their ids ...
+TEXT_CACHE_CHARS = 2048  # ... when no longer than this
+
+
+class _Recent:
+    """A small least-recently-used map, safe from several threads."""
+
+    def __init__(self, size: int):
+        self._size, self._items, self._lock = size, OrderedDict(), threading.Lock()
+
+    def get(self, key):
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
+
+    def put(self, key, value) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
 
 
 def _encode(tok, text: str):
