@@ -4,10 +4,11 @@ again), the most recent few."""
 from __future__ import annotations
 
 import json
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from runtime.errors import RequestError
 from runtime.text.grammar import Grammar, GrammarTokenizer
+from runtime.text.recent import Recent
 
 KEPT = 8  # compiled grammars kept, the most recently used
 
@@ -16,7 +17,7 @@ class GrammarCache:
     def __init__(self, tokenizer_path: str, vocab_size: int, eos: Sequence[int]):
         self._tokenizer_args = (tokenizer_path, vocab_size, eos)
         self._tokenizer: Optional[GrammarTokenizer] = None  # built on the first grammar: most sessions need none
-        self._compiled: Dict[tuple, Grammar] = {}  # by (kind, text), most recent last
+        self._compiled: Recent[Grammar] = Recent(KEPT)  # by (kind, text)
 
     def tokenizer(self) -> GrammarTokenizer:
         if self._tokenizer is None:
@@ -25,13 +26,7 @@ class GrammarCache:
 
     def compiled(self, key: tuple, compile_: Callable[[], Grammar]) -> Grammar:
         """The grammar compiled for `key`, from the last few requests' if there."""
-        hit = self._compiled.pop(key, None)
-        if hit is None:
-            hit = compile_()
-        self._compiled[key] = hit
-        while len(self._compiled) > KEPT:
-            self._compiled.pop(next(iter(self._compiled)))
-        return hit
+        return self._compiled.get_or_make(key, compile_)
 
     def constraint(self, json_schema=None, grammar: Optional[str] = None, field: Optional[str] = None) -> Optional[Grammar]:
         """A request's constraint: a JSON Schema (dict or text) or a Lark grammar; None if neither."""

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
 from typing import List, Optional, Sequence
 
 from runtime.errors import BundleError, RequestError
+from runtime.text.recent import Recent
 from runtime.text.templates import RenderedPrompt
 
 
@@ -31,8 +30,8 @@ class Tokenizer:
         self._text_tok.encode_special_tokens = True
         self.added = {t["content"]: int(t["id"]) for t in spec.get("added_tokens", [])}
         self._added_ids = set(self.added.values())
-        self._text_cache = _Recent(TEXT_CACHE)  # request text -> its ids as text
-        self._piece_cache = _Recent(256)  # a template piece -> its added tokens (start, end, id)
+        self._text_cache = Recent(TEXT_CACHE)  # request text -> its ids as text
+        self._piece_cache = Recent(256)  # a template piece -> its added tokens (start, end, id)
 
     @property
     def vocab_size(self) -> int:
@@ -117,27 +116,6 @@ class Tokenizer:
 
 TEXT_CACHE = 512  # request texts kept with their ids ...
 TEXT_CACHE_CHARS = 2048  # ... when no longer than this
-
-
-class _Recent:
-    """A small least-recently-used map, safe from several threads."""
-
-    def __init__(self, size: int):
-        self._size, self._items, self._lock = size, OrderedDict(), threading.Lock()
-
-    def get(self, key):
-        with self._lock:
-            value = self._items.get(key)
-            if value is not None:
-                self._items.move_to_end(key)
-            return value
-
-    def put(self, key, value) -> None:
-        with self._lock:
-            self._items[key] = value
-            self._items.move_to_end(key)
-            while len(self._items) > self._size:
-                self._items.popitem(last=False)
 
 
 def _encode(tok, text: str):

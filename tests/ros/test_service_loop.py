@@ -146,3 +146,12 @@ def test_stop_ends_every_thread_even_while_they_wait(ros):
     time.sleep(0.1)
     loop.stop(timeout_s=10.0)
     assert not any(t.is_alive() for t in loop._threads)
+
+
+def test_the_callback_form_runs_what_was_left_for_later_before_returning_the_answer():
+    from edgespec_ros.service_loop import as_service_callback
+
+    events = []
+    callback = as_service_callback(lambda req: (f"answer to {req}", lambda: events.append("later")))
+    assert callback("q", None) == "answer to q" and events == ["later"]
+    assert as_service_callback(lambda req: ("a", None))("q", None) == "a"

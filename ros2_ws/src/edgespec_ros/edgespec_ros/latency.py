@@ -68,7 +68,6 @@ SCENARIOS: Dict[str, Scenario] = {s.name: s for s in (
     Scenario("probe@10Hz", "plan", 10.0, max_tokens=1),
     Scenario("generate@2Hz", "generate", 2.0, max_tokens=64),
 )}
-GENERATE_PROMPT = "<|bos|><|plan|>give the blue mug from the office to Alice in the kitchen, then wait 5 seconds<|sep|>"
 
 
 @dataclass
@@ -117,7 +116,9 @@ def _request(scenario: Scenario, index: int):
     from edgespec_interfaces.srv import ActionTokens, Plan
 
     if scenario.service == "generate":  # a raw prompt: the demo's planner prompt, streamed
-        return Generate.Goal(prompt=GENERATE_PROMPT, max_tokens=scenario.max_tokens, temperature=0.0, seed=index)
+        from edgespec_ros.demo_client import PROMPT
+
+        return Generate.Goal(prompt=PROMPT, max_tokens=scenario.max_tokens, temperature=0.0, seed=index)
 
     # seed = the call's index: ignored by greedy decoding, it names the call in the node's log
     if scenario.service == "action_tokens":

@@ -40,7 +40,7 @@ from edgespec_ros.parameters import declare_parameters
 from edgespec_ros.qos import REQUEST_QOS, action_qos_kwargs
 from edgespec_ros.request_node import RequestSpinner, create_request_node, request_name
 from edgespec_ros.request_queue import RequestQueue
-from edgespec_ros.service_loop import ServiceLoop
+from edgespec_ros.service_loop import ServiceLoop, as_service_callback
 from edgespec_ros.serving import ServingMixin
 from runtime.errors import EdgespecError
 from runtime.serving.session import Session, return_large_blocks_on_free
@@ -79,9 +79,10 @@ class EdgespecNode(LifecycleMixin, ServingMixin, HealthMixin, DrainMixin, Lifecy
 
         # Every request reaches a callback, to be queued or refused: see edgespec_ros.qos.
         self.service_node = services = create_request_node(self, "services")  # never added to an executor
-        plan = services.create_service(Plan, request_name(self, "plan"), self._on_plan, qos_profile=REQUEST_QOS)
+        plan = services.create_service(Plan, request_name(self, "plan"), as_service_callback(self._answer_plan),
+                                       qos_profile=REQUEST_QOS)
         actions = services.create_service(ActionTokens, request_name(self, "action_tokens"),
-                                          self._on_action_tokens, qos_profile=REQUEST_QOS)
+                                          as_service_callback(self._answer_action_tokens), qos_profile=REQUEST_QOS)
         # action requests first when both wait: a control loop's chunk is the more urgent
         self.service_handlers = [(actions, self._answer_action_tokens), (plan, self._answer_plan)]
         self.request_node = requests = create_request_node(self)

@@ -118,3 +118,15 @@ class ServiceLoop:
                 then()
             except Exception as exc:  # pragma: no cover
                 self._node.get_logger().warning(f"{srv.srv_name}: after the answer: {type(exc).__name__}: {exc}")
+
+
+def as_service_callback(handler: Handler) -> Callable[[Any, Any], Any]:
+    """The rclpy service callback form of a handler (`create_service` needs one; an executor spinning the
+    node would call it): the answer is returned, so what the handler left for later runs before it."""
+    def callback(request, _response):
+        response, then = handler(request)
+        if then is not None:
+            then()
+        return response
+
+    return callback

@@ -51,17 +51,6 @@ class ServingMixin:
 
         return resp, then
 
-    # The same as rclpy service callbacks (a node spun by an executor instead of the ServiceLoop).
-    def _on_plan(self, req: Plan.Request, _resp: Plan.Response) -> Plan.Response:
-        resp, then = self._answer_plan(req)
-        then()
-        return resp
-
-    def _on_action_tokens(self, req: ActionTokens.Request, _resp: ActionTokens.Response) -> ActionTokens.Response:
-        resp, then = self._answer_action_tokens(req)
-        then()
-        return resp
-
     def _on_goal(self, goal: Generate.Goal) -> GoalResponse:
         """Accept a goal only with its place in the queue taken: a goal accepted on a free slot that another
         request took before it executed was aborted with `queue` (1-4 per burst)."""
