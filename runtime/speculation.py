@@ -169,7 +169,7 @@ class AdaptivePolicy:
     learn_costs: bool = False
     probe_every: int = 16
     probe_depth: int = 2
-    probe_max: int = 256
+    probe_max: int = 1024
     probe_share: Optional[float] = 0.01  # None: the doubling rule alone sets the wait, whatever a probe costs
     prior: float = 0.5
     trackers: Dict[str, AcceptanceTracker] = field(default_factory=dict)
@@ -184,7 +184,8 @@ class AdaptivePolicy:
     _rules: Dict[str, "NodeRule"] = field(default_factory=dict)  # node_rule per template, until _best moves
     _probing: Dict[str, bool] = field(default_factory=dict)  # the template's last budget was a probe
     _probe_s: Dict[str, float] = field(default_factory=dict)  # seconds the template's last probe cost over a plain step
-    # What the template's drafting cycles really earned: [tokens, seconds (by the cost model), cycles], decayed by
+    # What the template's drafting cycles really earned: [tokens, their seconds as timed in plain steps of the
+    # scaled cost model, cycles], decayed by
     # `realized_decay` a cycle. The depth search trusts the chain formula, but the per-node rule may keep far fewer
     # nodes than it plans for (or none, after the drafter's fixed cost is paid): once `realized_min` cycles say
     # drafting earns less than `realized_floor` of plain steps' rate, the template drafts nothing but probes.
@@ -198,6 +199,17 @@ class AdaptivePolicy:
     # while its calibrated gain beats its cost; the depth search above then only decides whether to draft at all.
     per_node: bool = True
     calibrations: Dict[str, Calibration] = field(default_factory=dict)  # per temperature class: greedy / sampled
+    # The tuned costs, scaled by what this process measures (unless `learn_costs`): the tune timed its verify
+    # rows at other context lengths, in another process, maybe on a busier machine, so each cycle's verify seconds
+    # against the model's for its rows, and a drafting cycle's draft seconds against the model's for its nodes,
+    # move one scale each (`_scale`: an EMA of weight `scale_weight`, each ratio clipped to 1/4 .. 4; a probe's
+    # drafting, which includes its catch-up, is left out). The depths are searched again only when a scale has
+    # moved by more than `rescale_step` since the last search: a plain step stays a lookup.
+    scale_costs: bool = True
+    scale_weight: float = 0.05
+    rescale_step: float = 0.05
+    _scale: List[float] = field(default_factory=lambda: [1.0, 1.0])  # [verify, draft]: measured / modelled (EMA)
+    _scaled: Optional[Tuple[Tuple[float, float], CostModel]] = None  # (the scales it was made with, the cost model)
 
     def tracker(self, key: str) -> AcceptanceTracker:
         if key not in self.trackers:
@@ -254,8 +266,8 @@ class AdaptivePolicy:
         if key not in self._best:
             alphas, cost = self.tracker(key).alphas(self.k_max), self.current_cost()
             k = best_depth(alphas, cost, self.k_max)
-            tokens, seconds, cycles = self.realized.get(key, (0.0, 0.0, 0.0))
-            if k > 0 and cycles >= self.realized_min and tokens / seconds < self.realized_floor / cost.verify_s(1):
+            tokens, steps, cycles = self.realized.get(key, (0.0, 0.0, 0.0))
+            if k > 0 and cycles >= self.realized_min and tokens / steps < self.realized_floor:
                 k = 0  # planned to pay, measured not to: plain steps (and probes) until the drafts earn again
             self._best[key] = k
             self._rate[key] = rate(alphas, cost, k)
@@ -290,19 +302,32 @@ class AdaptivePolicy:
     def observe(self, key: str, drafted: int, accepted: int, verify_rows: int, verify_s: float,
                 draft_s: float) -> None:
         """What the cycle drafted (its depth), accepted, and how long its verify and drafting took."""
+        if drafted <= 0 and not self._handed.get(key) and not self.learn_costs:
+            # a plain step the rule chose (most cycles of a template that does not pay): only the verify scale moves
+            self._handed.pop(key, None)
+            self._kept.pop(key, None)
+            if self.scale_costs:
+                self._rescale(verify_rows, verify_s, 0, 0.0)
+            return
         self.tracker(key).observe(drafted, accepted)
         nodes = self._kept.pop(key, drafted)
         proposed = self._handed.pop(key, 0) > 0
         if proposed:  # the drafter ran: its fixed cost is paid even where it kept no node
             c = self.current_cost()
-            seconds = c.verify_s(nodes + 1) + c.draft_fixed + c.draft_per_node * nodes
+            # as timed (a probe's catch-up aside: its nodes at the model's cost), in plain steps at the scaled model
+            seconds = (verify_s + draft_s if not self._probing.get(key) and verify_s > 0 else
+                       c.verify_s(nodes + 1) + c.draft_fixed + c.draft_per_node * nodes)
+            steps = seconds / c.verify_s(1)
             old = self.realized.get(key, (0.0, 0.0, 0.0))
             d = self.realized_decay
-            self.realized[key] = [d * old[0] + 1.0 + accepted, d * old[1] + seconds, d * old[2] + 1.0]
+            self.realized[key] = [d * old[0] + 1.0 + accepted, d * old[1] + steps, d * old[2] + 1.0]
         if drafted > 0 or proposed:
             self._best.pop(key, None)  # its acceptance moved
             self._rules.pop(key, None)
-        if self._probing.pop(key, False):
+        probing = self._probing.pop(key, False)
+        if self.scale_costs and not self.learn_costs:
+            self._rescale(verify_rows, verify_s, nodes if proposed and not probing else 0, draft_s)
+        if probing:
             self._probe_s[key] = max(0.0, verify_s + draft_s - self.current_cost().verify_s(1))
             # a probe taken whole is evidence the template may pay again: probe soon, not after the longest wait
             # (but never so often that probes of what this one cost take over probe_share of the time)
@@ -319,9 +344,36 @@ class AdaptivePolicy:
             per = draft_s / drafted
             self._draft = per if self._draft is None else 0.8 * self._draft + 0.2 * per
 
+    def _rescale(self, rows: int, verify_s: float, nodes: int, draft_s: float) -> None:
+        """Move the cost scales by one cycle's timings; forget the searched depths once a scale moved enough.
+
+        >>> p = AdaptivePolicy(CostModel(((1, 1.0), (2, 1.2)), 0.1, 0.1), 4, scale_weight=0.5)
+        >>> p._rescale(rows=1, verify_s=0.5, nodes=0, draft_s=0.0)  # a plain step took half the tuned time
+        >>> p._scale, p.current_cost().verify_s(1)
+        ([0.75, 1.0], 0.75)"""
+        w, c = self.scale_weight, self.cost
+        modelled = c.verify_s(rows)
+        if modelled > 0 and verify_s > 0:
+            self._scale[0] += w * (min(4.0, max(0.25, verify_s / modelled)) - self._scale[0])
+        modelled = c.draft_fixed + c.draft_per_node * nodes
+        if nodes > 0 and modelled > 0 and draft_s > 0:
+            self._scale[1] += w * (min(4.0, max(0.25, draft_s / modelled)) - self._scale[1])
+        used = self._scaled[0] if self._scaled is not None else (1.0, 1.0)
+        if any(abs(s / u - 1.0) > self.rescale_step for s, u in zip(self._scale, used)):
+            self._scaled = None
+            self._best.clear()
+            self._rules.clear()
+
     def current_cost(self) -> CostModel:
         if not self.learn_costs or not self._verify:
-            return self.cost
+            if not self.scale_costs or self.learn_costs:
+                return self.cost
+            if self._scaled is None:
+                sv, sd = self._scale
+                c = self.cost
+                self._scaled = ((sv, sd), CostModel(tuple((n, s * sv) for n, s in c.verify), c.draft_fixed * sd,
+                                                    c.draft_per_node * sd))
+            return self._scaled[1]
         learnt = dict(self.cost.verify)
         learnt.update(self._verify)
         pts = tuple(sorted(learnt.items()))

@@ -157,6 +157,10 @@ class OnnxTarget(CacheRows):
             self._bind_kv_in, self._bind_kv_out = self._bind_input, self._bind_output
             self._ptrs = [(f"_{i}", self.k[i].ctypes.data, self.v[i].ctypes.data) for i in range(n)]
         self._kv_bound: Optional[tuple] = None  # the taps bound with the shared K/V blocks (_bind_shared_kv)
+        # One-row steps (plain decoding, a cycle that drafts nothing) with shared K/V: logits and taps land in kept
+        # (1, .) buffers bound once (the taps they were bound for: _one_bound) and leave as copies.
+        self._one_bound: Optional[tuple] = None
+        self._one: Dict[str, np.ndarray] = {}
         self.last_run_s = 0.0  # time inside ORT during the last forward (the rest is Python overhead)
 
     @functools.cached_property  # read once, at load: a re-export next to a running node must not fail requests
@@ -190,12 +194,15 @@ class OnnxTarget(CacheRows):
                 raise ValueError(f"mask shape {mask.shape}, expected {(t, p + t)} (new tokens x cache+new)")
             add_mask = additive_mask(mask)
         rows = t if all_logits or self._logits_from is None else 1
-        logits = np.empty((rows, self.spec.vocab_size), np.float32)
-        got: Dict[str, np.ndarray] = {name: np.empty((t, self.spec.hidden_size), np.float32) for name in taps}
         b = self.binding
         if self.shared_kv:
             self._bind_shared_kv(tuple(taps))
-        else:
+            if t == 1:
+                return self._one_row(tokens, positions, add_mask, tuple(taps))
+        logits = np.empty((rows, self.spec.vocab_size), np.float32)
+        got: Dict[str, np.ndarray] = {name: np.empty((t, self.spec.hidden_size), np.float32) for name in taps}
+        self._one_bound = None  # the outputs bound below replace the one-row buffers' bindings
+        if not self.shared_kv:
             b.clear_binding_inputs()
             b.clear_binding_outputs()
             self._io_bound = None
@@ -220,6 +227,27 @@ class OnnxTarget(CacheRows):
         self.last_run_s = time.perf_counter() - start
         self.cache.length = p + t
         return ForwardResult(logits=logits if all_logits or rows == 1 else logits[-1:].copy(), taps=got)
+
+    def _one_row(self, tokens: np.ndarray, positions: np.ndarray, add_mask: np.ndarray, taps: tuple) -> ForwardResult:
+        """forward of one row on shared K/V blocks: the outputs' bindings are made once per set of taps, so a step
+        binds only its ids, positions and mask; the caller gets copies (1 x V logits, 1 x H per tap)."""
+        if self._one_bound != taps:
+            self._one = {"logits": np.empty((1, self.spec.vocab_size), np.float32),
+                         **{name: np.empty((1, self.spec.hidden_size), np.float32) for name in taps}}
+            self._bind_out("logits", self._one["logits"])
+            for name in taps:
+                arr = self._one[name]
+                self._bind_output(tap_output_name(name), arr.dtype, self._tap_lead + arr.shape, arr.ctypes.data)
+            self._one_bound = taps
+        self._step_inputs(tokens, positions)
+        self._bind_in("attention_mask", add_mask)
+        if self._logits_from is not None:
+            self._logits_from[0] = 0
+        start = time.perf_counter()
+        self.session.run_with_iobinding(self.binding)
+        self.last_run_s = time.perf_counter() - start
+        self.cache.length += 1
+        return ForwardResult(logits=self._one["logits"].copy(), taps={name: self._one[name].copy() for name in taps})
 
     def _step_inputs(self, tokens: np.ndarray, positions: np.ndarray) -> None:
         """Write ids and positions into the kept (2, >= T) buffer; bind its rows (and logits_from) only when T or the
@@ -253,7 +281,7 @@ class OnnxTarget(CacheRows):
         b, dt = self.binding, self.kv_dtype
         b.clear_binding_inputs()
         b.clear_binding_outputs()
-        self._io_bound = None
+        self._io_bound = self._one_bound = None
         block = (1, self._row[0], self.cache.max_positions, self._row[1])
         for i, kp, vp in self._ptrs:
             self._bind_kv_in("past_key" + i, dt, block, kp)

@@ -355,3 +355,25 @@ def test_a_template_whose_drafts_the_node_rule_cuts_to_nothing_goes_back_to_plai
             policy.observe_nodes("text/greedy", [], [])  # the rule kept none of the budget's nodes
         policy.observe("text/greedy", 0, 0, 1, 1.0, 1.0)
     assert budgets[0] == 4 and budgets[10:].count(0) >= 29, budgets
+
+
+@pytest.mark.parametrize("scale_costs", [True, False])
+def test_a_tune_that_over_states_the_verify_cost_is_corrected_by_the_cycles_own_timings(scale_costs):
+    """The tune timed a step at 1.0 (another context length, another process); here every verify takes half what
+    it said. Under the tune's costs a one-node draft right half the time pays (1.5 tokens in 1.3 steps); at the
+    measured verify it does not (1.5 tokens in 0.775 where a plain step takes 0.5): after the cycles' timings have
+    moved the scale, the template drafts nothing but probes. With the scaling off (the control) it drafts on."""
+    from runtime.serving.tuning import seeded_tracker
+    cost = CostModel(((1, 1.0), (5, 1.2)), draft_per_node=0.25)
+    policy = AdaptivePolicy(cost, 4, per_node=False, probe_every=16, scale_costs=scale_costs)
+    policy.trackers["text/greedy"] = seeded_tracker([0.5] * 4, 8)
+    budgets = []
+    for cycle in range(120):
+        b = policy.budget("text/greedy")
+        budgets.append(b)
+        policy.observe("text/greedy", b, cycle % 2 if b else 0, b + 1, 0.5 * cost.verify_s(b + 1), 0.25 * b)
+    assert budgets[0] == 1  # the tune's plan
+    if scale_costs:
+        assert budgets[60:].count(0) >= 55 and policy.current_cost().verify_s(1) == pytest.approx(0.5, abs=0.03)
+    else:
+        assert budgets[60:].count(0) == 0
