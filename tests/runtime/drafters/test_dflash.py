@@ -170,7 +170,8 @@ def build(spec, weights, v2: bool, positions: int = 96, drafter_cls=DFlashDrafte
     from runtime.model.spec import ModelSpec
 
     dspec = ModelSpec.from_hf_config(cfg)
-    params = DFlashParams.from_dict(dict(cfg["dflash_config"], block_size=cfg["block_size"]), "test")
+    params = DFlashParams.from_dict(dict(cfg["dflash_config"], block_size=cfg["block_size"],
+                                         sampled_walk=ck.get("sampled_walk", False)), "test")
     dshape = CacheShape(dspec.num_layers, dspec.num_kv_heads, dspec.head_dim)
     arena = KVArena.for_context({"t": cache_shape(spec), "d": dshape}, positions + 16)
     tgt = NumpyTarget(spec, weights, arena.allocate("t", cache_shape(spec), positions))
@@ -197,7 +198,7 @@ def test_greedy_decoding_with_dflash_is_token_identical_to_plain(target, v2):
 
 def test_one_forward_drafts_the_whole_block_and_caches_only_context_rows(target):
     spec, weights = target
-    tgt, drafter = build(spec, weights, True, block=5)
+    tgt, drafter = build(spec, weights, True, block=5, sampled_walk=True)
     prompt = [3, 14, 15, 92, 65, 35]
     res = tgt.forward(np.asarray(prompt), np.arange(len(prompt)), taps=drafter.target_taps)
     drafter.begin(prompt, res.taps)
@@ -209,6 +210,34 @@ def test_one_forward_drafts_the_whole_block_and_caches_only_context_rows(target)
     assert drafter.cache.length == len(prompt)  # the block's rows were temporary
     np.testing.assert_allclose(tree.q.sum(axis=1), 1.0)
     assert all((q > 0).sum() <= 4 for q in tree.q)  # the walk's q lives on the slot's top-K candidates
+
+
+def test_a_sampled_dflash2_draws_from_its_slot_marginals_unless_the_bundle_asks_for_the_sampled_walk(target):
+    """By default (`sampled_walk: false`, measured to pay more at T = 1) each slot's q is its own processed
+    distribution over the whole vocabulary, as DFlash's; greedy always walks."""
+    from runtime.sampling import process_logits
+    spec, weights = target
+    prompt = [3, 14, 15, 92, 65, 35]
+    sampled = SamplingParams(temperature=1.0)
+    for walk in (False, True):
+        tgt, drafter = build(spec, weights, True, block=5, sampled_walk=walk)
+        res = tgt.forward(np.asarray(prompt), np.arange(len(prompt)), taps=drafter.target_taps)
+        drafter.begin(prompt, res.taps)
+        seen = []
+        forward = drafter.forward
+        drafter.forward = lambda *a: seen.append(forward(*a)) or seen[-1]
+        tree = drafter.propose(DraftContext(prompt + [7], sampled, np.random.default_rng(0), 64))
+        _, logits = seen[0]
+        marginals = np.stack([process_logits(logits[t], sampled, prompt + [7] + tree.tokens[:t].tolist(), None)
+                              for t in range(len(tree))])
+        assert (drafter.last_walk is not None) == walk
+        if walk:
+            assert all((q > 0).sum() <= 4 for q in tree.q)
+        else:
+            np.testing.assert_allclose(tree.q, marginals, rtol=1e-6, atol=1e-9)
+    with pytest.raises(BundleError, match="sampled_walk"):
+        from runtime.drafters.dflash import DFlashParams
+        DFlashParams.from_dict({"block_size": 4, "mask_token_id": 0, "target_layer_ids": [1], "sampled_walk": "yes"}, "x")
 
 
 def test_session_refuses_a_backend_without_the_drafters_taps(target):
@@ -246,7 +275,8 @@ class MarginalQ(DFlashDrafter):
 
 def session(spec, weights, drafter_cls):
     # selector weights ~0.45: pair terms of order 1, so the walk's conditional q really depends on its predecessor
-    tgt, drafter = build(spec, weights, True, layers=1, block=3, top_k=4, selector_scale=0.45, drafter_cls=drafter_cls)
+    tgt, drafter = build(spec, weights, True, layers=1, block=3, top_k=4, selector_scale=0.45, drafter_cls=drafter_cls,
+                         sampled_walk=True)
     return SimpleNamespace(engine=Engine(tgt, drafter, eos_ids=()), drafter=drafter, target=tgt, tokenizer=None)
 
 
