@@ -422,14 +422,15 @@ def test_numpy_drafter_equals_the_official_forward_across_cycles(target, v2):
     np.testing.assert_allclose(logits, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
 
 
-def test_dflash_sampled_block_keeps_the_first_two_tokens_law_and_a_wrong_residual_is_caught(target):
-    """DFlash draws each slot from its own q (the slots are independent given the context): the real verifier
-    keeps the law; the same run verified by `forget_residual` (p instead of norm(max(0, p - q)) after a
-    rejection) is rejected by the same test."""
+@pytest.mark.parametrize("v2", [False, True], ids=["dflash", "dflash2_marginals"])
+def test_dflash_sampled_block_keeps_the_first_two_tokens_law_and_a_wrong_residual_is_caught(target, v2):
+    """DFlash, and DFlash-2 by default (`sampled_walk: false`), draw each slot from its own q (the slots are
+    independent given the context): the real verifier keeps the law; the same run verified by `forget_residual`
+    (p instead of norm(max(0, p - q)) after a rejection) is rejected by the same test."""
     from runtime.certify.run import forget_residual
 
     spec, weights = target
-    tgt, drafter = build(spec, weights, False, layers=1, block=3)
+    tgt, drafter = build(spec, weights, v2, layers=1, block=3)
     sess = SimpleNamespace(engine=Engine(tgt, drafter, eos_ids=()), drafter=drafter, target=tgt, tokenizer=None)
     good = certify(sess, CONTEXTS[:1], PARAMS, draws=DRAWS, alpha=ALPHA, seed=3)
     assert all(r.passed and r.tau > 1.0 for r in good), good
