@@ -163,7 +163,11 @@ class AdaptivePolicy:
     probe that leaves the best at nothing doubles the template's interval, up to `probe_max` cycles; one that is
     accepted whole, or makes drafting pay, brings it back to `probe_every`. Whatever the doubling says, the wait
     is never so short that probes take more than `probe_share` of the template's time (`probe_wait`): a probe
-    that costs 2 plain steps more than the step it replaces is followed by at least 200 idle cycles at 1 %."""
+    that costs 2 plain steps more than the step it replaces is followed by at least 200 idle cycles at 1 %.
+    A template that drafts nothing because its drafting cycles were measured not to earn (`realized`, below) is
+    probed with the shape it planned, per-node rule included, timed at the cost model: a slow spell (a drafter's
+    first-run allocations, a busy CPU) must not stop drafting there for good, and two whole nodes cannot show
+    that a planned eight pay again."""
     cost: CostModel
     k_max: int
     learn_costs: bool = False
@@ -171,6 +175,9 @@ class AdaptivePolicy:
     probe_depth: int = 2
     probe_max: int = 1024
     probe_share: Optional[float] = 0.01  # None: the doubling rule alone sets the wait, whatever a probe costs
+    # A template's first probe: after `probe_every` idle cycles (False), or after the wait `probe_share` gives a
+    # probe of what the cost model says one costs (True: a tuned policy, whose costs were measured on this machine)
+    first_probe_from_cost: bool = False
     prior: float = 0.5
     trackers: Dict[str, AcceptanceTracker] = field(default_factory=dict)
     idle: Dict[str, int] = field(default_factory=dict)  # cycles since the last draft, per template
@@ -182,7 +189,9 @@ class AdaptivePolicy:
     _best: Dict[str, int] = field(default_factory=dict)  # best_depth per template, until its inputs change
     _rate: Dict[str, float] = field(default_factory=dict)  # ... and the rate it expects there
     _rules: Dict[str, "NodeRule"] = field(default_factory=dict)  # node_rule per template, until _best moves
-    _probing: Dict[str, bool] = field(default_factory=dict)  # the template's last budget was a probe
+    _probing: Dict[str, str] = field(default_factory=dict)  # the template's last budget was a probe: "short" / "full"
+    _vetoed: Dict[str, int] = field(default_factory=dict)  # templates the realized rate vetoed: the depth planned there
+    _lifted: Dict[str, int] = field(default_factory=dict)  # templates a paying probe un-vetoed: the wait then
     _probe_s: Dict[str, float] = field(default_factory=dict)  # seconds the template's last probe cost over a plain step
     # What the template's drafting cycles really earned: [tokens, their seconds as timed in plain steps of the
     # scaled cost model, cycles], decayed by
@@ -219,7 +228,7 @@ class AdaptivePolicy:
     def budget(self, key: str) -> int:
         """The node budget for the next cycle of a request of template `key`."""
         k = self.budget_depth(key)  # recomputed only when its inputs moved: a cycle that drafts nothing costs a lookup
-        self._probing[key] = False
+        self._probing[key] = ""
         b = 0
         if k > 0:
             self.idle[key] = 0
@@ -232,8 +241,12 @@ class AdaptivePolicy:
             if self.probe_every and self.idle[key] >= self.interval[key]:
                 self.idle[key] = 0
                 self.probes += 1
-                self._probing[key] = True
-                b = min(self.probe_depth, self.k_max)
+                if key in self._vetoed:  # re-try the planned shape: a short probe cannot show it pays again
+                    self._probing[key] = "full"
+                    b = self.k_max if self.per_node else self._vetoed[key]
+                else:
+                    self._probing[key] = "short"
+                    b = min(self.probe_depth, self.k_max)
             else:
                 self.skipped += 1
         self._handed[key] = b
@@ -245,15 +258,24 @@ class AdaptivePolicy:
         step it replaced (its catch-up, head runs and extra verify rows, as timed) over probe_share of a plain
         step (the cost model's verify(1)); at most `probe_max`. The template's first probe comes after
         `probe_every` (nothing is known of its cost yet, and the prior may be all the policy knows of the
-        template). History only: timings of past cycles and the cost model.
+        template), or, with `first_probe_from_cost` (a tuned policy: its costs and acceptance were measured here),
+        after the wait of a probe costing what the model says: its drafting and extra verify rows (a catch-up
+        comes on top, so the measured cost of that probe then sets the next wait). History only: timings of past
+        cycles and the cost model.
 
         >>> p = AdaptivePolicy(CostModel(((1, 1.0),)), 4)
         >>> p.probe_wait("action/greedy")
         16
         >>> p._probe_s["action/greedy"] = 1.6  # the last probe cost 1.6 steps over a plain one: / 0.01 -> 160
         >>> p.probe_wait("action/greedy")
-        160"""
+        160
+        >>> tuned = AdaptivePolicy(CostModel(((1, 1.0), (3, 1.2)), 0.5, 0.4), 4, first_probe_from_cost=True)
+        >>> tuned.probe_wait("action/greedy")  # 2 nodes: 0.5 + 2 x 0.4 drafting + 0.2 of verify rows -> 150
+        150"""
         extra = self._probe_s.get(key)
+        if extra is None and self.first_probe_from_cost:
+            c = self.current_cost()
+            extra = c.cycle_s(min(self.probe_depth, self.k_max)) - c.verify_s(1)
         if not self.probe_share or extra is None:
             return self.probe_every
         step = self.current_cost().verify_s(1)
@@ -267,8 +289,12 @@ class AdaptivePolicy:
             alphas, cost = self.tracker(key).alphas(self.k_max), self.current_cost()
             k = best_depth(alphas, cost, self.k_max)
             tokens, steps, cycles = self.realized.get(key, (0.0, 0.0, 0.0))
+            self._vetoed.pop(key, None)
             if k > 0 and cycles >= self.realized_min and tokens / steps < self.realized_floor:
-                k = 0  # planned to pay, measured not to: plain steps (and probes) until the drafts earn again
+                self._vetoed[key] = k  # planned to pay, measured not to: plain steps and probes of the planned
+                k = 0  # shape (`budget`), timed at the cost model, until the drafts earn again
+                if key in self._lifted:  # a lifted veto that did not hold: probe half as often as then
+                    self.interval[key] = min(self.probe_max, 2 * self._lifted.pop(key))
             self._best[key] = k
             self._rate[key] = rate(alphas, cost, k)
         return self._best[key]
@@ -282,9 +308,10 @@ class AdaptivePolicy:
 
     def node_rule(self, key: str) -> Optional["NodeRule"]:
         """The per-node rule for the cycle `budget(key)` just sized (None when per-node stopping is off, and for a
-        probe: it drafts its few nodes whole, since it is there to measure them and its catch-up is paid anyway).
+        short probe: it drafts its few nodes whole, since it is there to measure them and its catch-up is paid
+        anyway; a probe of a vetoed template's planned shape keeps the rule, which is part of what it measures).
         Built again only when the template's best depth is recomputed (its acceptance or the costs moved)."""
-        if not self.per_node or self._probing.get(key):
+        if not self.per_node or self._probing.get(key) == "short":
             return None
         rule = self._rules.get(key)
         if rule is None:
@@ -320,11 +347,17 @@ class AdaptivePolicy:
             steps = seconds / c.verify_s(1)
             old = self.realized.get(key, (0.0, 0.0, 0.0))
             d = self.realized_decay
-            self.realized[key] = [d * old[0] + 1.0 + accepted, d * old[1] + steps, d * old[2] + 1.0]
+            if self._probing.get(key) == "full" and (1.0 + accepted) / steps >= self.realized_floor:
+                # the planned shape measured to pay: the veto's old evidence (a slow spell) is dropped, this
+                # cycle's kept, and should the drafts that follow veto the template again, its wait doubles
+                self.realized[key] = [1.0 + accepted, steps, 1.0]
+                self._lifted[key] = self.interval.get(key, self.probe_every)
+            else:
+                self.realized[key] = [d * old[0] + 1.0 + accepted, d * old[1] + steps, d * old[2] + 1.0]
         if drafted > 0 or proposed:
             self._best.pop(key, None)  # its acceptance moved
             self._rules.pop(key, None)
-        probing = self._probing.pop(key, False)
+        probing = bool(self._probing.pop(key, ""))
         if self.scale_costs and not self.learn_costs:
             self._rescale(verify_rows, verify_s, nodes if proposed and not probing else 0, draft_s)
         if probing:

@@ -136,7 +136,7 @@ def choose_shape(shape: str, bundle_dir: str, backend: str, precision: str, draf
     cost = CostModel(tuple((int(n), float(s)) for n, s in mine["verify"]), float(tuned.get("draft_fixed", 0.0)),
                      float(tuned.get("draft_per_node", 0.0)))
     k_max = int(tuned.get("k_max", num_tokens))
-    policy = AdaptivePolicy(cost, k_max)
+    policy = AdaptivePolicy(cost, k_max, first_probe_from_cost=True)  # a probe's cost is known: no early one
     for key, t in (tuned.get("templates") or {}).items():  # the tune's acceptance is the starting belief
         policy.trackers[key] = seeded_tracker(t.get("alphas") or [], t.get("cycles", 8))
     where = f"{os.path.join(bundle_dir, TUNE_FILE)}: drafters.{drafter}.calibration"

@@ -295,6 +295,71 @@ def test_probes_never_take_more_than_their_share_of_a_templates_time():
     assert policy.interval["action/greedy"] == 25
 
 
+def test_a_tuned_templates_first_probe_waits_what_the_cost_model_says_a_probe_costs():
+    """A tuned policy knows what a probe costs before it takes one (the tune measured the drafter and the verify
+    rows here), so its first probe in a template that does not pay keeps to probe_share too: drafting 2 nodes at
+    1.0 + 2 x 0.5 plus two extra verify rows at 0.5 is 3 steps over a plain one, so at 2 % the first probe comes
+    after 150 idle cycles, not after probe_every's 16. An untuned policy (the control) probes at 16."""
+    def first_probe(**kw) -> int:
+        policy = AdaptivePolicy(CostModel(((1, 1.0), (2, 1.5)), draft_fixed=1.0, draft_per_node=0.5), 4,
+                                probe_every=16, prior=0.1, probe_share=0.02, **kw)
+        for cycle in range(400):
+            b = policy.budget("action/greedy")
+            if b:
+                return cycle
+            policy.observe("action/greedy", b, 0, 1, 1.0, 0.0)
+        return -1
+
+    assert first_probe(first_probe_from_cost=True) == 149
+    assert first_probe() == 15
+
+
+def drafting_cycles_after_a_slow_spell(accepted_after: bool) -> int:
+    """Five drafting cycles timed at 20 plain steps each (a slow spell: a drafter's first-run allocations, a busy
+    CPU) veto a template whose drafts are all accepted; then 300 cycles at the cost model's own timings, the
+    drafts accepted whole (`accepted_after`) or never. Returns how many of the last 100 cycles drafted."""
+    # a drafter with a high fixed cost: 4 nodes accepted whole earn 5 tokens in 1.4 + 1.6 + 0.8 = 3.8 steps (1.3x),
+    # 2 nodes 3 tokens in 1.2 + 1.6 + 0.4 = 3.2 (0.94x: below the veto's 0.97)
+    cost = CostModel(((1, 1.0), (5, 1.4)), draft_fixed=1.6, draft_per_node=0.2)
+    policy = AdaptivePolicy(cost, 4, per_node=False, probe_every=16, prior=0.95, probe_share=None)
+    key = "planner/greedy"
+    for _ in range(5):  # (realized_min: four cycles of evidence, decayed by 0.9 a cycle)
+        b = policy.budget(key)
+        assert b == 4  # planned: 4 nodes, each accepted
+        policy.observe(key, b, b, b + 1, 20.0, 0.0)
+    assert policy.budget_depth(key) == 0, "the slow spell must veto the template for this test to mean anything"
+    drafted = []
+    for _ in range(300):
+        b = policy.budget(key)
+        accepted = b if accepted_after else 0
+        policy.observe(key, b, accepted, b + 1, cost.verify_s(b + 1), cost.draft_fixed + cost.draft_per_node * b if b else 0.0)
+        drafted.append(b > 0)
+    return sum(drafted[-100:])
+
+
+def test_a_template_whose_drafts_keep_timing_slow_is_retried_ever_more_rarely():
+    """The other side of re-trying a vetoed template's planned shape: where its probes pay at the cost model but
+    its drafting cycles keep timing slow (20 plain steps), each lift of the veto that does not hold doubles the
+    wait before the next probe, so in 1000 cycles only a few dozen draft."""
+    cost = CostModel(((1, 1.0), (5, 1.4)), draft_fixed=1.6, draft_per_node=0.2)
+    policy = AdaptivePolicy(cost, 4, per_node=False, probe_every=16, prior=0.95, probe_share=None)
+    key, drafted = "planner/greedy", 0
+    for _ in range(1000):
+        b = policy.budget(key)
+        drafted += b > 0
+        policy.observe(key, b, b, b + 1, 20.0 if b else 1.0, 0.0)
+    assert drafted <= 60, drafted
+
+
+def test_a_template_vetoed_by_a_slow_spell_drafts_again_once_its_drafts_pay():
+    """The veto reads the drafting cycles' timed seconds, so a slow spell vetoes a template whose drafts all land.
+    Its probes then draft the shape it planned (not two nodes, which cannot show that four pay: with short probes
+    this template stayed at plain steps for good), timed at the cost model: drafting comes back. Control: where the
+    drafts stop landing, the template stays at plain steps."""
+    assert drafting_cycles_after_a_slow_spell(accepted_after=True) >= 95
+    assert drafting_cycles_after_a_slow_spell(accepted_after=False) <= 10
+
+
 def test_a_probe_drafts_its_nodes_whole_and_a_plain_step_builds_no_node_rule():
     """A probe is there to measure its nodes (its catch-up is paid anyway), so no per-node rule cuts it; and the
     engine builds no rule at all for a cycle that drafts nothing."""
