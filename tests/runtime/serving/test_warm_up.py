@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.serving.session import Session
+from runtime.serving.session import GenerationParams, Session
 
 
 @pytest.mark.parametrize("drafter", ["draft_model", "ngram"])
@@ -35,3 +35,18 @@ def test_a_drafter_that_cannot_run_on_this_backend_fails_the_warm_up(tiny_bundle
             s.warm_up()
     finally:
         s.close()
+
+
+def test_the_adaptive_rule_learns_nothing_from_the_warm_up(tiny_bundle):
+    """A warm-up pays first-run allocations; were its cycles timed into the adaptive rule, a drafter's first drafting
+    cycle (several times a later one's cost) would scale drafting up as too dear. Control: a request does teach it."""
+    s = Session.open(tiny_bundle, drafter="draft_model", shape="adaptive")
+    try:
+        s.warm_up()
+        after_warm_up = (dict(s.engine.policy.trackers), list(s.engine.policy._scale), dict(s.engine.policy.realized))
+        s.generate("<|bos|>hello", GenerationParams(max_tokens=8))
+        after_request = (dict(s.engine.policy.trackers), list(s.engine.policy._scale))
+    finally:
+        s.close()
+    assert after_warm_up == ({}, [1.0, 1.0], {})
+    assert after_request[0], "control: a request must leave acceptance in the rule for this test to mean anything"
