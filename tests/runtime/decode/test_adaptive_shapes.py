@@ -314,15 +314,20 @@ def test_a_tuned_templates_first_probe_waits_what_the_cost_model_says_a_probe_co
     assert first_probe() == 15
 
 
+# A drafter with a high fixed cost: 4 nodes accepted whole earn 5 tokens in 1.4 + 1.6 + 0.8 = 3.8 steps (1.3x),
+# 2 nodes 3 tokens in 1.2 + 1.6 + 0.4 = 3.2 (0.94x: below the veto's 0.97)
+HIGH_FIXED_COST = CostModel(((1, 1.0), (5, 1.4)), draft_fixed=1.6, draft_per_node=0.2)
+
+
+def high_fixed_cost_policy() -> AdaptivePolicy:
+    return AdaptivePolicy(HIGH_FIXED_COST, 4, per_node=False, probe_every=16, prior=0.95, probe_share=None)
+
+
 def drafting_cycles_after_a_slow_spell(accepted_after: bool) -> int:
     """Five drafting cycles timed at 20 plain steps each (a slow spell: a drafter's first-run allocations, a busy
     CPU) veto a template whose drafts are all accepted; then 300 cycles at the cost model's own timings, the
     drafts accepted whole (`accepted_after`) or never. Returns how many of the last 100 cycles drafted."""
-    # a drafter with a high fixed cost: 4 nodes accepted whole earn 5 tokens in 1.4 + 1.6 + 0.8 = 3.8 steps (1.3x),
-    # 2 nodes 3 tokens in 1.2 + 1.6 + 0.4 = 3.2 (0.94x: below the veto's 0.97)
-    cost = CostModel(((1, 1.0), (5, 1.4)), draft_fixed=1.6, draft_per_node=0.2)
-    policy = AdaptivePolicy(cost, 4, per_node=False, probe_every=16, prior=0.95, probe_share=None)
-    key = "planner/greedy"
+    cost, policy, key = HIGH_FIXED_COST, high_fixed_cost_policy(), "planner/greedy"
     for _ in range(5):  # (realized_min: four cycles of evidence, decayed by 0.9 a cycle)
         b = policy.budget(key)
         assert b == 4  # planned: 4 nodes, each accepted
@@ -331,24 +336,10 @@ def drafting_cycles_after_a_slow_spell(accepted_after: bool) -> int:
     drafted = []
     for _ in range(300):
         b = policy.budget(key)
-        accepted = b if accepted_after else 0
-        policy.observe(key, b, accepted, b + 1, cost.verify_s(b + 1), cost.draft_fixed + cost.draft_per_node * b if b else 0.0)
+        draft_s = cost.draft_fixed + cost.draft_per_node * b if b else 0.0
+        policy.observe(key, b, b if accepted_after else 0, b + 1, cost.verify_s(b + 1), draft_s)
         drafted.append(b > 0)
     return sum(drafted[-100:])
-
-
-def test_a_template_whose_drafts_keep_timing_slow_is_retried_ever_more_rarely():
-    """The other side of re-trying a vetoed template's planned shape: where its probes pay at the cost model but
-    its drafting cycles keep timing slow (20 plain steps), each lift of the veto that does not hold doubles the
-    wait before the next probe, so in 1000 cycles only a few dozen draft."""
-    cost = CostModel(((1, 1.0), (5, 1.4)), draft_fixed=1.6, draft_per_node=0.2)
-    policy = AdaptivePolicy(cost, 4, per_node=False, probe_every=16, prior=0.95, probe_share=None)
-    key, drafted = "planner/greedy", 0
-    for _ in range(1000):
-        b = policy.budget(key)
-        drafted += b > 0
-        policy.observe(key, b, b, b + 1, 20.0 if b else 1.0, 0.0)
-    assert drafted <= 60, drafted
 
 
 def test_a_template_vetoed_by_a_slow_spell_drafts_again_once_its_drafts_pay():
@@ -358,6 +349,18 @@ def test_a_template_vetoed_by_a_slow_spell_drafts_again_once_its_drafts_pay():
     drafts stop landing, the template stays at plain steps."""
     assert drafting_cycles_after_a_slow_spell(accepted_after=True) >= 95
     assert drafting_cycles_after_a_slow_spell(accepted_after=False) <= 10
+
+
+def test_a_template_whose_drafts_keep_timing_slow_is_retried_ever_more_rarely():
+    """The other side of re-trying a vetoed template's planned shape: where its probes pay at the cost model but
+    its drafting cycles keep timing slow (20 plain steps), each lift of the veto that does not hold doubles the
+    wait before the next probe, so in 1000 cycles only a few dozen draft."""
+    policy, key, drafted = high_fixed_cost_policy(), "planner/greedy", 0
+    for _ in range(1000):
+        b = policy.budget(key)
+        drafted += b > 0
+        policy.observe(key, b, b, b + 1, 20.0 if b else 1.0, 0.0)
+    assert drafted <= 60, drafted
 
 
 def test_a_probe_drafts_its_nodes_whole_and_a_plain_step_builds_no_node_rule():
