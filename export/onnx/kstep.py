@@ -22,9 +22,15 @@ Graph contract (bundle: the draft model's backends.onnx entry, params kstep_grap
            past_value_{i}     kv      (P, nkv, d)
   outputs  tokens             int64   (K,)        the drafted chain
            q                  float32 (K, V)      the processed distribution each token was drawn from
+           confidence         float32 (K,)        each token's own confidence, as runtime/drafters/shared.py's
+                                                  node_confidence: q[token] when sampled; greedy (q one-hot) the
+                                                  token's probability at temperature 1 after mask and penalty
            new_key_{i}        kv      (T+K-1, nkv, d) the rows of the T inputs and the first K-1 drafted tokens
            new_value_{i}      kv      (T+K-1, nkv, d) (the K-th token is not run, as in the step-wise chain)
-The attention is causal over the past and the new rows: no mask input (a chain, never a tree)."""
+The attention is causal over the past and the new rows: no mask input (a chain, never a tree). The confidences
+let an adaptive shape cut the chain after the run by the same per-node rule as the step-wise path
+(runtime.speculation.NodeRule.keep_chain) and learn its calibration; a graph exported without them is taken only
+by requests that use neither."""
 from __future__ import annotations
 
 import os
@@ -57,7 +63,13 @@ def input_names(num_layers: int) -> list:
 
 
 def output_names(num_layers: int) -> list:
-    return ["tokens", "q"] + [f"new_key_{i}" for i in range(num_layers)] + [f"new_value_{i}" for i in range(num_layers)]
+    return ["tokens", "q", "confidence"] + [f"new_key_{i}" for i in range(num_layers)] + [f"new_value_{i}" for i in range(num_layers)]
+
+
+def penalise(x, repetition_penalty, logit_mask, seen):
+    """(V,) logits -> the masked, repetition-penalised logits every processing branch starts from."""
+    x = x + logit_mask
+    return torch.where(seen, torch.where(x > 0, x / repetition_penalty, x * repetition_penalty), x)
 
 
 def process(x, temperature, top_k, top_p, min_p, repetition_penalty, logit_mask, seen):
@@ -68,9 +80,21 @@ def process(x, temperature, top_k, top_p, min_p, repetition_penalty, logit_mask,
     vocabulary costs more than a small draft model's step).
 
     Example: x (2, 1, 0), temperature 1, top_k 2 -> (0.731, 0.269, 0)."""
-    x = x + logit_mask
-    x = torch.where(seen, torch.where(x > 0, x / repetition_penalty, x * repetition_penalty), x)
+    return processed(penalise(x, repetition_penalty, logit_mask, seen), temperature, top_k, top_p, min_p)
+
+
+def processed(x, temperature, top_k, top_p, min_p):
+    """`process` after `penalise`."""
     return torch.cond(temperature[0] > 0, _sampled, _greedy, (x, temperature, top_k, top_p, min_p))
+
+
+def confidence(x, q, token, temperature):
+    """The drafted token's own confidence (runtime/drafters/shared.py's node_confidence) from the penalised logits
+    x (V,), its q and the token (1,): q[token] when sampled; greedy, where q is one-hot, softmax(x)[token] (the
+    distribution a greedy chain ranks by: temperature 1, no truncation).
+
+    Example: x (0, ln 3), greedy, token 1 -> 0.75."""
+    return torch.where(temperature[0] > 0, q[token], torch.softmax(x, dim=0)[token])
 
 
 def _greedy(x, temperature, top_k, top_p, min_p):
@@ -200,20 +224,22 @@ class KStepDraftGraph(torch.nn.Module):
         t = input_ids.shape[0]
         causal = torch.triu(torch.full((t, t), float("-inf")), diagonal=1)  # (T, T)
         logits = self._step(input_ids, position_ids, past_keys, past_values, chain_k, chain_v, causal)
-        tokens, qs = [], []
+        tokens, qs, confs = [], [], []
         pos = position_ids[-1:]
         for j in range(self.steps):
-            q = process(logits, temperature, top_k, top_p, min_p, repetition_penalty, logit_mask, seen)
+            x = penalise(logits, repetition_penalty, logit_mask, seen)
+            q = processed(x, temperature, top_k, top_p, min_p)
             tok = draw(q, uniforms[j:j + 1]).reshape(1)
             tokens.append(tok)
             qs.append(q)
+            confs.append(confidence(x, q, tok, temperature))
             if j + 1 == self.steps:
                 break
             seen = seen | (torch.arange(seen.shape[0]) == tok)
             pos = pos + 1
             # one new row: it sees the past and every new row (no causal mask needed)
             logits = self._step(tok, pos, past_keys, past_values, chain_k, chain_v, torch.zeros(1, chain_k[0].shape[0] + 1))
-        return (torch.cat(tokens), torch.stack(qs), *chain_k, *chain_v)
+        return (torch.cat(tokens), torch.stack(qs), torch.cat(confs), *chain_k, *chain_v)
 
 
 def export_kstep_onnx(spec: ModelSpec, weights: Mapping[str, np.ndarray], out_path: str, steps: int,
@@ -251,25 +277,34 @@ def kstep_rel(name: str, precision: str, steps: int) -> str:
 
 def validate_kstep(spec: ModelSpec, weights: Mapping[str, np.ndarray], path: str, step_graph: str, steps: int,
                    precision: str = "fp32", seed: int = 0) -> float:
-    """Run the K-step graph at `path` (over the cache of the draft's step graph `step_graph`; temperature 1, no
-    truncation: q is then the plain softmax, the most sensitive to the logits) after a short context, and the numpy
-    reference on the same context + the drafted tokens; return the max relative error of the graph's q rows against
-    process_logits of the reference's logits."""
+    """Run the K-step graph at `path` (over the cache of the draft's step graph `step_graph`) after a short context,
+    and the numpy reference on the same context + the drafted tokens; return the max relative error of the graph's
+    q rows against process_logits of the reference's logits, and of its confidences against the reference's at the
+    drafted tokens. Twice: at temperature 1 without truncation (q is then the plain softmax, the most sensitive to
+    the logits) and greedy (the confidence is then the temperature-1 softmax at the argmax)."""
     rng = np.random.default_rng(seed)
     context = rng.integers(0, spec.vocab_size, 9)
     n, shape = len(context) + steps, cache_shape(spec)
     kv_dtype = np.float16 if precision == "fp16" else np.float32
-    draft = OnnxTarget(spec, step_graph, KVArena.for_context({"d": shape}, n, kv_dtype).allocate("d", shape, n),
-                       tap_names=())
-    draft.forward(context[:5], np.arange(5))  # a past of 5 rows, then 4 catch-up rows in the K-step run
-    params = SamplingParams(temperature=1.0)
-    tokens, q = OnnxKStep(draft, path, steps).run(context[5:], np.arange(5, len(context)), params, context,
-                                                  rng.random(steps))
-    ref = NumpyTarget(spec, weights, KVArena.for_context({"d": shape}, n).allocate("d", shape, n))
-    chain = np.concatenate([context, tokens[:-1]])
-    logits = ref.forward(chain, np.arange(len(chain))).logits[len(context) - 1:]  # (K, V): each drafted token's
-    want = process_logits_batch(logits, params)
-    return float(np.max(np.abs(q - want)) / max(float(np.max(want)), 1e-12))
+    worst = 0.0
+    for params in (SamplingParams(temperature=1.0), SamplingParams()):
+        draft = OnnxTarget(spec, step_graph, KVArena.for_context({"d": shape}, n, kv_dtype).allocate("d", shape, n),
+                           tap_names=())
+        draft.forward(context[:5], np.arange(5))  # a past of 5 rows, then 4 catch-up rows in the K-step run
+        tokens, q, conf = OnnxKStep(draft, path, steps).run(context[5:], np.arange(5, len(context)), params, context,
+                                                            rng.random(steps))
+        ref = NumpyTarget(spec, weights, KVArena.for_context({"d": shape}, n).allocate("d", shape, n))
+        chain = np.concatenate([context, tokens[:-1]])
+        logits = ref.forward(chain, np.arange(len(chain))).logits[len(context) - 1:]  # (K, V): each drafted token's
+        want = process_logits_batch(logits, params)
+        ranked = process_logits_batch(logits, SamplingParams(temperature=1.0))  # what a greedy chain ranks by
+        want_conf = (ranked if params.greedy else want)[np.arange(steps), tokens]
+        scale = max(float(np.max(want)), 1e-12)
+        # greedy q is one-hot: a near-tie the precision rounds the other way would read as an error of 1, so the
+        # greedy pass checks the confidences only (the sampled pass has checked the same logits through q)
+        q_err = 0.0 if params.greedy else float(np.max(np.abs(q - want))) / scale
+        worst = max(worst, q_err, float(np.max(np.abs(conf - want_conf))) / scale)
+    return worst
 
 
 def export_and_check_kstep(spec: ModelSpec, weights: Mapping[str, np.ndarray], out_path: str, steps: int,

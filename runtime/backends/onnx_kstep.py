@@ -7,15 +7,15 @@ docstring of runtime/backends/onnx.py): layer i's past is rows [0, P) of its lay
 its new rows land at [P, P+T+K-1) of the same block, so the arena rows are written in place, host or device.
 
     kstep = OnnxKStep(draft_target, "bundle/onnx/drafter.draft_model.kstep4.fp32.onnx", steps=4)
-    if kstep.expresses(params):
-        tokens, q = kstep.run(ids, positions, params, history, rng.random(4))  # (K,) int64, (K, V) float32
+    tokens, q, confidence = kstep.run(ids, positions, params, history, rng.random(4))  # (K,), (K, V), (K,)
 
-Only layer-major (matmul attention) draft graphs have one; a request the graph cannot express (see `expresses`)
-runs the step-wise path."""
+Only layer-major (matmul attention) draft graphs have one; a request the graph cannot express (a grammar, a tree:
+runtime/drafters/draft_model.py's `_kstep_fits`) runs the step-wise path. `confidence` is each token's own
+confidence (export/onnx/kstep.py's `confidence`), or None from a graph exported before it had that output."""
 from __future__ import annotations
 
 import time
-from typing import Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -44,6 +44,12 @@ def param_feeds(params: SamplingParams, history: Sequence[int], vocab: int) -> d
             "repetition_penalty": np.array([params.repetition_penalty], np.float32), "logit_mask": mask, "seen": seen}
 
 
+class KStepChain(NamedTuple):
+    tokens: np.ndarray  # (K,) int64: the drafted chain
+    q: np.ndarray  # (K, V) float32: the distribution each was drawn from
+    confidence: Optional[np.ndarray]  # (K,) float32: each token's own confidence; None: the graph has no such output
+
+
 class OnnxKStep:
     """The K-step graph of the draft model run by `target` (an OnnxTarget with a layer-major arena)."""
 
@@ -60,6 +66,7 @@ class OnnxKStep:
         if missing:
             raise BackendError(f"{model_path}: the K-step graph has no input {missing[0]!r}; re-export the bundle's "
                                "ONNX graphs with `edgespec export --to onnx --bundle DIR --kstep on`")
+        self.has_confidence = "confidence" in {o.name for o in self.session.get_outputs()}
         self.binding = self.session.io_binding()
         self._bind_input, self._bind_output = _binders(ort, self.binding)
         self._bind_kv_in, self._bind_kv_out = _binders(ort, self.binding, target.device)
@@ -74,9 +81,9 @@ class OnnxKStep:
         self._bind_input(name, arr.dtype, arr.shape, arr.ctypes.data)
 
     def run(self, tokens, positions, params: SamplingParams, history: Sequence[int],
-            uniforms: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        """Run the T rows `tokens` the draft cache lacks and draft K tokens after them -> (tokens (K,) int64,
-        q (K, V) float32); the cache grows by T + K - 1 rows (the K-th token is not run)."""
+            uniforms: np.ndarray) -> KStepChain:
+        """Run the T rows `tokens` the draft cache lacks and draft K tokens after them -> KStepChain; the cache
+        grows by T + K - 1 rows (the K-th token is not run)."""
         tg = self.target
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         positions = np.ascontiguousarray(positions, dtype=np.int64)
@@ -102,8 +109,11 @@ class OnnxKStep:
             self._bind_kv_out(f"new_value_{i}", dt, new, vp + skip)
         self._bind_output("tokens", out_tokens.dtype, out_tokens.shape, out_tokens.ctypes.data)
         self._bind_output("q", q.dtype, q.shape, q.ctypes.data)
+        conf = np.empty(k, np.float32) if self.has_confidence else None
+        if conf is not None:
+            self._bind_output("confidence", conf.dtype, conf.shape, conf.ctypes.data)
         start = time.perf_counter()
         self.session.run_with_iobinding(b)
         self.last_run_s = time.perf_counter() - start
         tg.cache.length = p + t + k - 1
-        return out_tokens, q
+        return KStepChain(out_tokens, q, conf)

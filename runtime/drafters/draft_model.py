@@ -111,33 +111,39 @@ class DraftModelDrafter(Drafter):
 
     def _kstep_fits(self, ctx: DraftContext, catch_up: int, depth: int, room: int) -> bool:
         """Whether the K-step graph can draft this chain exactly as the step-wise path would: a chain (no tree),
-        no grammar (its masks follow the path), at most the graph's K tokens, a short catch-up, and room for
-        the K - 1 rows it writes beyond the context."""
+        no grammar (its masks follow the path), at most the graph's K tokens, a short catch-up, room for the
+        K - 1 rows it writes beyond the context, and, where the adaptive rule cuts the chain or records its
+        confidences, a graph that returns them (an older export does not)."""
         ks = self.kstep
         return (ks is not None and self.branching == 1 and ctx.allowed is None and depth <= ks.steps
-                and 0 < catch_up <= self.prefill_chunk and ks.steps - 1 <= room)
+                and 0 < catch_up <= self.prefill_chunk and ks.steps - 1 <= room
+                and (ks.has_confidence or not ctx.wants_confidence))
 
     def _propose_kstep(self, ctx: DraftContext, context: List[int], keep: int, depth: int) -> DraftTree:
-        """The chain from one run of the K-step graph; its first `depth` tokens are the tree."""
+        """The chain from one run of the K-step graph: its first `depth` tokens, cut where the adaptive rule's
+        nodes stop paying (`NodeRule.keep_chain`, the step-wise path's rule: node t by the confidences before it
+        and its own q, a point mass's by its own confidence too)."""
         self._paths[KSTEP] += 1
         params = ctx.params
         # one uniform per drafted token, as the step-wise chain's draws; a greedy chain draws none
         uniforms = np.zeros(self.kstep.steps) if params.greedy else ctx.rng.random(self.kstep.steps)
-        tokens, q = self.kstep.run(context[keep:], np.arange(keep, len(context)), params, context, uniforms)
+        tokens, q, own = self.kstep.run(context[keep:], np.arange(keep, len(context)), params, context, uniforms)
         self.cached = context
         self._base = len(context)
         self._context = context
         self._proposed = True
+        greedy = params.greedy
+        if not greedy:
+            q = q[:depth].astype(np.float64)
+            q /= q.sum(axis=1, keepdims=True)  # the draw's own normalisation (inverse CDF against the total mass)
+        if ctx.stop is not None:
+            depth = ctx.stop.keep_chain([None] * depth if greedy else q, own[:depth].tolist(), greedy)
         # drafted token j (< K - 1) was run at cache row base + j; the last one never is
         self._node_rows = {j: self._base + j for j in range(min(depth, self.kstep.steps - 1))}
-        tokens = tokens[:depth].astype(np.int64)
-        if params.greedy:
-            return DraftTree(tokens=tokens, parents=np.arange(-1, depth - 1, dtype=np.int64), q=None,
-                             deterministic=np.ones(depth, bool))
-        q = q[:depth].astype(np.float64)
-        q /= q.sum(axis=1, keepdims=True)  # the draw's own normalisation (inverse CDF against the total mass)
-        return DraftTree(tokens=tokens, parents=np.arange(-1, depth - 1, dtype=np.int64), q=q,
-                         deterministic=np.zeros(depth, bool))
+        conf = np.cumprod(own[:depth].astype(np.float64)) if ctx.wants_confidence else None
+        return DraftTree(tokens=tokens[:depth].astype(np.int64), parents=np.arange(-1, depth - 1, dtype=np.int64),
+                         q=None if greedy or not depth else q[:depth], deterministic=np.full(depth, greedy),
+                         confidence=conf)
 
     def accept(self, accepted_nodes, committed, taps) -> None:
         if not self._proposed:  # the engine verified no tree this cycle (one token left): the cache stands as is

@@ -2,7 +2,9 @@
 the whole chain, processing the logits as runtime.sampling.process_logits and drawing by inverse CDF from the
 caller's uniforms. Exactness: its draws follow the q it returns, and that q is process_logits' distribution at the
 same inputs; a wrong temperature or top-p fed to it is caught. The drafter takes it for chains without a grammar
-and says so in the stats; a grammar request falls back to the step-wise path, visibly."""
+and says so in the stats; a grammar request falls back to the step-wise path, visibly. Under an adaptive shape the
+chain it drafts is cut by the same per-node rule, from the same confidences, as the step-wise chain."""
+import os
 import shutil
 
 import numpy as np
@@ -80,7 +82,7 @@ def _draw_chains(drafter, context, params, n, seed):
     chains, first_q = [], None
     for _ in range(n):
         model.keep(base, [])
-        tokens, q = ks.run(context[-2:], np.arange(base, len(context)), params, context, rng.random(ks.steps))
+        tokens, q, _ = ks.run(context[-2:], np.arange(base, len(context)), params, context, rng.random(ks.steps))
         chains.append(tokens)
         first_q = q if first_q is None else first_q
     return np.stack(chains), first_q
@@ -225,3 +227,102 @@ def test_an_export_writes_the_kstep_graph_for_fp16_by_default_and_for_any_float_
     assert [kstep_wanted("auto", p) for p in ("fp32", "fp16")] == [False, True]  # where runtime "auto" runs it
     assert kstep_wanted("on", "fp32") and not kstep_wanted("off", "fp16")
     assert doctest.testmod(onnx_bundle).failed == 0
+
+
+def _restamp(root: str, rel: str) -> None:
+    """The manifest's checksum and size of `rel`, after a test rewrote that file."""
+    import yaml
+
+    from runtime.model.bundle import sha256_of
+
+    path = os.path.join(root, "bundle.yaml")
+    with open(path) as f:
+        m = yaml.safe_load(f)
+    m["files"][rel] = {"sha256": sha256_of(os.path.join(root, rel)), "size": os.path.getsize(os.path.join(root, rel))}
+    with open(path, "w") as f:
+        yaml.safe_dump(m, f, sort_keys=False)
+
+
+def _adaptive_pair(kstep_bundle, tmp_path):
+    """Two adaptive sessions on the bundle, the K-step path on and off, and the path's per-node rule made to bite: a
+    calibration that believes nodes below path confidence 0.5 are never accepted, valued at a rate where a node must
+    earn 0.3 tokens (the step-wise chain then stops at the first unsure node)."""
+    from runtime.speculation import Calibration, CostModel, NodeRule
+
+    sessions = []
+    for mode in ("on", "off"):
+        root = str(tmp_path / mode)
+        shutil.copytree(kstep_bundle, root)
+        _set_kstep(root, mode)
+        sessions.append(Session.open(root, drafter="draft_model", backend="onnx", max_context=256, shape="adaptive"))
+    cal = Calibration(prior_weight=0.0)
+    cal.observe([0.05, 0.25, 0.45, 0.55, 0.75, 0.97], [False, False, False, True, True, True])
+    rule = NodeRule(CostModel(((1, 1.0), (2, 1.2))), cal, rate=1.5)  # margin 1.5 x 0.2 = 0.3 tokens a node
+    return sessions, rule
+
+
+@pytest.mark.parametrize("params", [dict(), dict(temperature=1.0)], ids=["greedy", "sampled"])
+def test_an_adaptive_chain_through_the_kstep_graph_is_cut_where_the_stepwise_chain_is(kstep_bundle, tmp_path, params):
+    """The per-node rule cuts the graph's chain after the run exactly where the step-wise path stops drafting, and the
+    tree carries the same path confidences: greedy the same tokens; sampled the same cut for the same draws."""
+    from runtime.drafters.base import DraftContext
+    from runtime.sampling import SamplingParams
+
+    (on, off), rule = _adaptive_pair(kstep_bundle, tmp_path)
+    context = on.tokenizer.encode(PROMPT)
+    sp = SamplingParams(**params)
+    cuts = []
+    for seed in range(6):
+        trees = []
+        for s in (on, off):
+            s.drafter.reset()
+            ctx = DraftContext(context, sp, np.random.default_rng(seed), 4, None, rule, True)
+            trees.append(s.drafter.propose(ctx))
+            s.drafter.accept([], [context[-1]], {})
+        a, b = trees
+        assert on.drafter.draft_paths["kstep"] == seed + 1 and off.drafter.draft_paths["kstep"] == 0
+        np.testing.assert_allclose(a.confidence, b.confidence, rtol=1e-4)
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        if not sp.greedy and len(a):
+            np.testing.assert_allclose(a.q, b.q, atol=1e-5)
+        cuts.append(len(a))
+    assert min(cuts) < 4, "the rule never cut the chain: the comparison says nothing about the cut"
+
+
+def test_an_adaptive_session_on_the_kstep_path_records_its_calibration_and_stops_unpaying_drafts(kstep_bundle, tmp_path):
+    """The tiny bundle's random draft model is never accepted: the adaptive rule must learn that from the confidences
+    the K-step graph returns (before them it drafted ~3.7 nodes a cycle there, against ~0.2 step-wise)."""
+    (on, off), _ = _adaptive_pair(kstep_bundle, tmp_path)
+    got = {}
+    for name, s in (("on", on), ("off", off)):
+        r = s.generate(PROMPT, GenerationParams(max_tokens=40))
+        got[name] = r.stats
+    assert got["on"].draft_paths["kstep"] > 0 and got["on"].calibration
+    assert got["on"].mean_nodes <= got["off"].mean_nodes + 0.5
+    assert got["on"].mean_nodes < 1.0
+
+
+def test_a_kstep_graph_without_confidences_serves_fixed_chains_and_leaves_adaptive_ones_to_the_stepwise_path(
+        kstep_bundle, tmp_path):
+    """An export from before the confidence output: a fixed chain still takes it; an adaptive one, which needs the
+    confidences, takes the step-wise path and the stats say so."""
+    import onnx
+
+    root = str(tmp_path / "old")
+    shutil.copytree(kstep_bundle, root)
+    _set_kstep(root, "on")
+    path = next(os.path.join(root, "onnx", f) for f in os.listdir(os.path.join(root, "onnx")) if ".kstep" in f
+                and f.endswith(".onnx"))
+    model = onnx.load(path, load_external_data=False)
+    keep = [o for o in model.graph.output if o.name != "confidence"]
+    del model.graph.output[:]
+    model.graph.output.extend(keep)
+    onnx.save(model, path)
+    _restamp(root, os.path.relpath(path, root))
+    fixed = Session.open(root, drafter="draft_model", backend="onnx", max_context=256, shape="fixed")
+    adaptive = Session.open(root, drafter="draft_model", backend="onnx", max_context=256, shape="adaptive")
+    assert not fixed.drafter.kstep.has_confidence
+    r = fixed.generate(PROMPT, GenerationParams(max_tokens=16))
+    assert r.stats.draft_paths["kstep"] > 0 and r.stats.draft_paths["stepwise"] == 0
+    r = adaptive.generate(PROMPT, GenerationParams(max_tokens=16))
+    assert r.stats.draft_paths["kstep"] == 0 and r.stats.draft_paths["stepwise"] > 0
