@@ -35,13 +35,15 @@ class Flag:
 class GraphJob:
     """What a drafter's ONNX export is given: the bundle (its drafters those of this export), the staging
     directory its graphs are written into (flat: the caller moves them into onnx/ by basename), the target's
-    graph there (to share its vocab matrices) and weights, the precision asked for and whether to check."""
+    graph there (to share its vocab matrices) and weights, the precision asked for, whether to check, and whether
+    K-step chain graphs are wanted (export/onnx/bundle.py's `kstep_wanted`)."""
     bundle: Any
     staging: str
     target_graph: str
     target_weights: Mapping[str, Any]
     precision: str
     validate: bool
+    kstep: bool = False
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
     "onnx"; likewise every `draft_model` drafter that has a spec and safetensors (with its K-step draft graph,
     export/onnx/kstep.py, K = its params.num_tokens, where its attention is the default and `kstep` asks for it:
     "auto" = with fp16, the GPU precision, where the runtime's params.kstep "auto" takes it; on the 2-core CPU the
-    step-wise chain ran faster and the graph's export costs ~25 s; "on" | "off"), and every MTP module.
+    step-wise chain ran faster and the graph's export costs ~25 s; "on" | "off"), and every MTP module; an EAGLE
+    chain's head gets its K-step graph under the same rule (export/drafters/eagle_kstep.py).
     Taps default to every tap the bundle's drafters read, plus final_norm. Returns the new files (relative to the bundle).
 
     precision int8 / int4: the target's fp32 graph, weight-only quantised by ONNX Runtime's MatMulNBits
@@ -111,7 +112,7 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
         target_graph = os.path.join(staging, os.path.basename(rel))
         # Every other drafter graph (drafter, files, params), by its kind's exporter, written into staging and checked
         extra = [] if quantised else registry.graphs(
-            registry.GraphJob(b, staging, target_graph, weights, precision, validate))
+            registry.GraphJob(b, staging, target_graph, weights, precision, validate, kstep_wanted(kstep, precision)))
         os.makedirs(os.path.join(bundle_dir, "onnx"), exist_ok=True)
         moved = {grel + suffix for _, grel, *_ in graphs for suffix in ("", ".data")} | {f for e in extra for f in e[1]}
         moved |= {krel + suffix for krel, _ in ksteps.values() for suffix in ("", ".data")}

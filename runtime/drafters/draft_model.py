@@ -24,11 +24,10 @@ from runtime.backends.numpy_ref import cache_shape
 from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec, common_prefix_len
 from runtime.memory.plan import DrafterMemory, NO_DRAFTER, dims_from_spec
 from runtime.model.bundle import BackendFiles, gguf_entries
-from runtime.drafters.shared import grow_chains, tree_mask
-from runtime.errors import BundleError
+from runtime.drafters.shared import (KSTEP, STEPWISE, grow_chains, kstep_chain, kstep_fits, kstep_mode, kstep_runs,
+                                     kstep_uniforms, tree_mask)
 from runtime.tree import DraftTree, empty_tree, path_to
 
-KSTEP, STEPWISE = "kstep", "stepwise"  # the drafting paths `draft_paths` counts
 
 
 class DraftModelDrafter(Drafter):
@@ -83,7 +82,7 @@ class DraftModelDrafter(Drafter):
         self.cached = self.cached[:keep]  # (set again below; right also if the forward fails)
         room = self.model.max_cache_len - len(context)  # rows left for drafted nodes
         depth = min(self.k, ctx.max_nodes // self.branching, 1 + room // self.branching)
-        if depth > 0 and self._kstep_fits(ctx, len(context) - keep, depth, room):
+        if kstep_fits(ctx, self.kstep, self.branching, depth, len(context) - keep, room, self.prefill_chunk):
             return self._propose_kstep(ctx, context, keep, depth)
         self._paths[STEPWISE] += 1
         # (a new prompt: in chunks, like the target's prefill; after a cycle only the root and a token or two)
@@ -109,41 +108,19 @@ class DraftModelDrafter(Drafter):
 
         return grow_chains(ctx, context, logits, self.branching, depth, self.sibling_rule, run)
 
-    def _kstep_fits(self, ctx: DraftContext, catch_up: int, depth: int, room: int) -> bool:
-        """Whether the K-step graph can draft this chain exactly as the step-wise path would: a chain (no tree),
-        no grammar (its masks follow the path), at most the graph's K tokens, a short catch-up, room for the
-        K - 1 rows it writes beyond the context, and, where the adaptive rule cuts the chain or records its
-        confidences, a graph that returns them (an older export does not)."""
-        ks = self.kstep
-        return (ks is not None and self.branching == 1 and ctx.allowed is None and depth <= ks.steps
-                and 0 < catch_up <= self.prefill_chunk and ks.steps - 1 <= room
-                and (ks.has_confidence or not ctx.wants_confidence))
-
     def _propose_kstep(self, ctx: DraftContext, context: List[int], keep: int, depth: int) -> DraftTree:
-        """The chain from one run of the K-step graph: its first `depth` tokens, cut where the adaptive rule's
-        nodes stop paying (`NodeRule.keep_chain`, the step-wise path's rule: node t by the confidences before it
-        and its own q, a point mass's by its own confidence too)."""
+        """The chain from one run of the K-step graph (`shared.kstep_chain` cuts it as the step-wise path would)."""
         self._paths[KSTEP] += 1
-        params = ctx.params
-        # one uniform per drafted token, as the step-wise chain's draws; a greedy chain draws none
-        uniforms = np.zeros(self.kstep.steps) if params.greedy else ctx.rng.random(self.kstep.steps)
-        tokens, q, own = self.kstep.run(context[keep:], np.arange(keep, len(context)), params, context, uniforms)
+        tokens, q, own = self.kstep.run(context[keep:], np.arange(keep, len(context)), ctx.params, context,
+                                        kstep_uniforms(ctx, self.kstep.steps))
         self.cached = context
         self._base = len(context)
         self._context = context
         self._proposed = True
-        greedy = params.greedy
-        if not greedy:
-            q = q[:depth].astype(np.float64)
-            q /= q.sum(axis=1, keepdims=True)  # the draw's own normalisation (inverse CDF against the total mass)
-        if ctx.stop is not None:
-            depth = ctx.stop.keep_chain([None] * depth if greedy else q, own[:depth].tolist(), greedy)
+        tree = kstep_chain(ctx, tokens, q, own, depth)
         # drafted token j (< K - 1) was run at cache row base + j; the last one never is
-        self._node_rows = {j: self._base + j for j in range(min(depth, self.kstep.steps - 1))}
-        conf = np.cumprod(own[:depth].astype(np.float64)) if ctx.wants_confidence else None
-        return DraftTree(tokens=tokens[:depth].astype(np.int64), parents=np.arange(-1, depth - 1, dtype=np.int64),
-                         q=None if greedy or not depth else q[:depth], deterministic=np.full(depth, greedy),
-                         confidence=conf)
+        self._node_rows = {j: self._base + j for j in range(min(len(tree), self.kstep.steps - 1))}
+        return tree
 
     def accept(self, accepted_nodes, committed, taps) -> None:
         if not self._proposed:  # the engine verified no tree this cycle (one token left): the cache stands as is
@@ -158,23 +135,16 @@ class DraftModelDrafter(Drafter):
         self.cached = self._context + [int(t) for t in committed[1:1 + len(rows)]]
 
 
-KSTEP_MODES = ("auto", "on", "off")
-
-
 @dataclass(frozen=True)
 class DraftModelParams:
     """bundle.yaml drafters.<name>.params of a draft model (its shape is the entry's spec, its files the entry's
-    files and backends). `kstep`: draft a chain in one run of the K-step graph — "auto": only on a GPU execution
-    provider (on the 2-core CPU the unrolled graph ran 0.55-0.66x the step-wise chain, greedy: one run there is
-    arithmetic, not fixed cost; docs/drafters/draft_model.md), "on", "off"."""
+    files and backends). `kstep`: draft a chain in one run of the K-step graph: "auto" (only on a GPU execution
+    provider), "on", "off" (`shared.kstep_runs`)."""
     kstep: str = "auto"
 
     @staticmethod
     def from_dict(d: Mapping, where: str) -> "DraftModelParams":
-        p = DraftModelParams(kstep=str(d.get("kstep", "auto")))
-        if p.kstep not in KSTEP_MODES:
-            raise BundleError(f"{where}: kstep {p.kstep!r}: expected one of {', '.join(KSTEP_MODES)}")
-        return p
+        return DraftModelParams(kstep=kstep_mode(d, where))
 
 
 def entry_key(entry, backend) -> Optional[str]:
@@ -203,12 +173,10 @@ def build(b: DrafterBuild, p: DraftModelParams) -> DraftModelDrafter:
 
 def kstep_graph(bundle, files: BackendFiles, backend, model, mode: str = "auto"):
     """The draft model's K-step graph (params kstep_graph / kstep_steps of its onnx entry) over `model`'s cache,
-    or None: another backend, an entry without one (an older export), a GroupQueryAttention step graph, mode "off",
-    or mode "auto" on CPU execution providers only (see DraftModelParams)."""
+    or None: an entry without one (an older export), a GroupQueryAttention step graph, or a mode that does not run
+    it on this backend (`shared.kstep_runs`)."""
     rel = files.params.get("kstep_graph")
-    if backend.kind != "onnx" or not rel or getattr(model, "shared_kv", True) or mode == "off":
-        return None
-    if mode == "auto" and all(p == "CPUExecutionProvider" for p in backend.providers):
+    if not rel or getattr(model, "shared_kv", True) or not kstep_runs(mode, backend):
         return None
     from runtime.backends.onnx_kstep import OnnxKStep
     return OnnxKStep(model, bundle.path(rel), int(files.params.get("kstep_steps", 1)), providers=backend.providers,

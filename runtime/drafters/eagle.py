@@ -30,8 +30,9 @@ import numpy as np
 from runtime.backends.factory import load_weights
 from runtime.backends.numpy_ref import cache_shape
 from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec
-from runtime.drafters.heads import HeadRunner, head_graphs
-from runtime.drafters.shared import grow_chains, ranking_params, tree_mask
+from runtime.drafters.heads import HeadRunner, head_graphs, head_kstep
+from runtime.drafters.shared import (KSTEP, STEPWISE, grow_chains, kstep_chain, kstep_fits, kstep_mode, kstep_uniforms,
+                                     ranking_params, tree_mask)
 from runtime.errors import BundleError
 from runtime.memory import plan as memory_plan
 from runtime.memory.bundle_sizes import target_embedding_copy_bytes
@@ -135,7 +136,7 @@ class EagleDrafter(Drafter):
 
     def __init__(self, kind: str, spec: ModelSpec, weights: Mapping[str, np.ndarray], embed: np.ndarray,
                  target_head: np.ndarray, cache: KVCache, params: Mapping, num_tokens: int = 4, branching: int = 1,
-                 tree: Optional[DynamicTree] = None, source: str = "eagle", net=None):
+                 tree: Optional[DynamicTree] = None, source: str = "eagle", net=None, kstep=None):
         if kind not in ("eagle", "eagle3"):
             raise BundleError(f"{source}: kind {kind!r} is not an EAGLE head")
         self.kind = kind
@@ -188,10 +189,17 @@ class EagleDrafter(Drafter):
         # the step on its own cache: as an ONNX graph (runtime/backends/onnx_net.OnnxNet) when given, else numpy
         self.head_runner = HeadRunner(cache, net, inputs=("input_ids", "features", "position_ids", "attention_mask"),
                                       outputs=("logits", "hidden"))
+        # the head's K-step chain graph (runtime/drafters/heads.HeadKStep: a whole chain in one run), or None
+        self.kstep = kstep
+        self._paths: Dict[str, int] = {KSTEP: 0, STEPWISE: 0}
 
     @property
     def net(self):
         return self.head_runner.net
+
+    @property
+    def draft_paths(self) -> Dict[str, int]:
+        return dict(self._paths) if self.kstep is not None else {}
 
     @net.setter
     def net(self, net) -> None:
@@ -330,11 +338,32 @@ class EagleDrafter(Drafter):
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         tokens = list(ctx.tokens)
+        if self.tree is None and self.kstep is not None:
+            self.cache.keep(self.committed_rows, [])
+            feats = self.pending
+            room = self.cache.max_positions - self.cache.length - feats.shape[0]  # rows past the catch-up
+            depth = min(self.k, ctx.max_nodes // self.branching, 1 + room // self.branching)
+            if kstep_fits(ctx, self.kstep, self.branching, depth, feats.shape[0], room, self.prefill_chunk):
+                return self._propose_kstep(ctx, tokens, feats, depth)
+        self._paths[STEPWISE] += 1
         h_root, root_logits = self._catch_up(tokens)
         room = self.cache.max_positions - self.cache.length  # temporary rows left for drafting
         if self.tree is not None:
             return self._dynamic(ctx, tokens, h_root, root_logits, room)
         return self._chains(ctx, tokens, h_root, root_logits, room)
+
+    def _propose_kstep(self, ctx: DraftContext, tokens: List[int], feats: np.ndarray, depth: int) -> DraftTree:
+        """A chain from one run of the K-step graph: the catch-up rows and K drafted tokens (`shared.kstep_chain`
+        cuts it as the step-wise chain would be cut). Its drafted rows are temporary, as the step-wise ones."""
+        first, n = self.committed_rows, feats.shape[0]
+        if first + n != len(tokens) - 1:
+            raise RuntimeError(f"EAGLE drafter out of step: {first} + {n} rows for a context of {len(tokens)} tokens")
+        self._paths[KSTEP] += 1
+        got = self.kstep.run(self.cache, tokens[first + 1:], feats, np.arange(first, first + n), ctx.params, tokens,
+                             kstep_uniforms(ctx, self.kstep.steps))
+        self.committed_rows += n
+        self.pending = feats[:0]
+        return kstep_chain(ctx, got.tokens, got.q, got.confidence, depth)
 
     def _chains(self, ctx: DraftContext, tokens: List[int], h_root, root_logits, room: int) -> DraftTree:
         b = self.branching
@@ -399,6 +428,7 @@ class EagleParams:
     rest (bias, tap_layers, norm_before_residual) from the same mapping."""
     tree: Optional[DynamicTree] = None  # set: the EAGLE-2 dynamic tree; None: chains of num_tokens x branching
     draft_vocab_size: Optional[int] = None  # EAGLE-3: rows of its own LM head
+    kstep: str = "auto"  # a chain in one run of the head's K-step graph: auto (GPU providers) | on | off
 
     @staticmethod
     def from_dict(d: Mapping, where: str) -> "EagleParams":
@@ -407,7 +437,7 @@ class EagleParams:
             raise BundleError(f"{where}.tree: got {tree!r}, expected a mapping (total_tokens, depth, top_k)")
         vocab = d.get("draft_vocab_size")
         return EagleParams(DynamicTree.from_params(tree, where) if tree is not None else None,
-                           None if vocab is None else int(vocab))
+                           None if vocab is None else int(vocab), kstep_mode(d, where))
 
 
 def build(b: DrafterBuild, p: EagleParams) -> EagleDrafter:
@@ -419,9 +449,10 @@ def build(b: DrafterBuild, p: EagleParams) -> EagleDrafter:
     embed, head = b.embed_and_head()
     cache = b.arena.allocate("draft", cache_shape(entry.spec), b.max_positions + memory_plan.DRAFT_SLACK)
     graphs = head_graphs(b, f"{entry.kind} head {b.name}")
+    kstep = head_kstep(b, p.kstep, f"{entry.kind} K-step {b.name}") if graphs and p.tree is None else None
     return EagleDrafter(entry.kind, entry.spec, load_weights(bundle, entry.files), embed, head, cache, entry.params,
                         num_tokens=b.num_tokens, branching=b.branching, tree=p.tree, source=source,
-                        net=graphs[0] if graphs else None)
+                        net=graphs[0] if graphs else None, kstep=kstep)
 
 
 def eagle_dims(entry, p: EagleParams) -> memory_plan.ModelDims:

@@ -102,7 +102,8 @@ def head_graphs(b, label: str, count: int = 1, unit: str = "head") -> Optional[L
     files = b.entry.backends.get("onnx") if b.backend.kind == "onnx" else None
     if files is None:
         return None
-    graphs = [f for f in files.files if f.endswith(".onnx")]
+    kstep = files.params.get("kstep_graph")
+    graphs = [f for f in files.files if f.endswith(".onnx") and f != kstep]
     if len(graphs) != count:
         raise BundleError(f"{b.bundle.path('bundle.yaml')}: drafters.{b.name}.backends.onnx lists {len(graphs)} "
                           f"graphs for {count} {unit}; re-export with "
@@ -110,3 +111,48 @@ def head_graphs(b, label: str, count: int = 1, unit: str = "head") -> Optional[L
     return [OnnxNet(b.bundle.path(g), b.backend.providers, b.backend.threads,
                     label=label if count == 1 else f"{label} {i}", spinning=b.backend.spinning)
             for i, g in enumerate(graphs)]
+
+
+class HeadKStep:
+    """A head's K-step chain graph (export/drafters/eagle_kstep.py: the catch-up rows, K draft steps, their logits
+    processing and draws in ONE run) on the head's own cache, whose K/V rows it writes as `run_on_cache` does.
+    `has_confidence` is always true for these graphs (they were born with the output); a drafter asks it through
+    `shared.kstep_fits` as it asks the draft model's."""
+
+    def __init__(self, model_path: str, steps: int, providers: Sequence[str] = ("CPUExecutionProvider",),
+                 threads: int = 0, spinning: str = "never", label: str = "K-step head"):
+        self.net = OnnxNet(model_path, providers, threads, label=label, spinning=spinning)
+        self.net.require(("input_ids", "features", "position_ids", "uniforms", "past_key", "past_value"),
+                         ("tokens", "q", "confidence", "new_key", "new_value"))
+        self.model_path, self.steps, self.has_confidence = model_path, int(steps), True
+        mask = self.net.session.get_inputs()[self.net.input_names.index("logit_mask")]
+        self.vocab = int(mask.shape[0])  # the target's vocabulary (static in the graph)
+
+    def run(self, cache: KVCache, tokens: Sequence[int], features: np.ndarray, positions: np.ndarray, params,
+            history: Sequence[int], uniforms: np.ndarray):
+        """Run the T rows (features f_t, tokens x_{t+1}) the cache lacks and draft K tokens after them ->
+        runtime.backends.onnx_kstep.KStepChain; the cache grows by T + K - 1 rows (the K-th token is not run)."""
+        from runtime.backends.onnx_kstep import KStepChain, param_feeds
+
+        t = len(tokens)
+        rows = t + self.steps - 1
+        cache.check_room(rows)
+        feeds = {"input_ids": np.asarray(tokens, np.int64), "features": np.asarray(features, np.float32),
+                 "position_ids": np.asarray(positions, np.int64), "uniforms": np.asarray(uniforms, np.float32),
+                 **param_feeds(params, history, self.vocab)}
+        got = run_on_cache(self.net, feeds, cache, rows)
+        cache.length += rows
+        return KStepChain(got["tokens"], got["q"], got["confidence"])
+
+
+def head_kstep(b, mode: str, label: str) -> Optional[HeadKStep]:
+    """The K-step chain graph of the drafter entry being built (its onnx entry's params kstep_graph / kstep_steps)
+    when the mode runs it on this backend (`shared.kstep_runs`), else None (the step-wise chain)."""
+    from runtime.drafters.shared import kstep_runs
+
+    files = b.entry.backends.get("onnx")
+    rel = files.params.get("kstep_graph") if files is not None else None
+    if not rel or not kstep_runs(mode, b.backend):
+        return None
+    return HeadKStep(b.bundle.path(rel), int(files.params.get("kstep_steps", 1)), b.backend.providers,
+                     b.backend.threads, b.backend.spinning, label)

@@ -1,14 +1,16 @@
 """Drafting pieces every tree-building drafter shares, so that no drafter imports another: the one pick (argmax or
 sample), the one ranking rule, how the children of one node are picked (greedy top-k ranked at temperature 1, or
-sampled through the sibling rule), the tree mask of drafted rows and the loop that grows chains split at the root.
-(A head with a KV cache of its own runs through runtime/drafters/heads.py.)"""
+sampled through the sibling rule), the tree mask of drafted rows, the loop that grows chains split at the root, and
+the rule that turns one K-step graph run (a whole chain drafted in ONE run: the draft model, EAGLE) into the chain
+the step-wise loop would have kept. (A head with a KV cache of its own runs through runtime/drafters/heads.py.)"""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Mapping, Optional, Sequence
 
 import numpy as np
 
+from runtime.errors import BundleError
 from runtime.sampling import SamplingParams, process_logits, sample
 from runtime.siblings import Siblings, draw_siblings, top_k
 from runtime.tree import DraftTree, path_to
@@ -126,3 +128,64 @@ def grow_chains(ctx, history: List[int], root_logits: np.ndarray, width: int, de
                      deterministic=np.full(len(tokens), deterministic),
                      confidence=np.asarray(conf, np.float64) if want else None)
 
+
+
+# -- K-step graphs: a whole chain in one run ------------------------------------------------------------------
+
+KSTEP_MODES = ("auto", "on", "off")  # a drafter entry's params.kstep
+STEPWISE, KSTEP = "stepwise", "kstep"  # the drafting paths a drafter with a K-step graph counts (draft_paths)
+
+
+def kstep_mode(params: Mapping, where: str) -> str:
+    """A drafter entry's params.kstep ("auto" when absent), or BundleError naming the field."""
+    mode = str(params.get("kstep", "auto"))
+    if mode not in KSTEP_MODES:
+        raise BundleError(f"{where}: kstep {mode!r}: expected one of {', '.join(KSTEP_MODES)}")
+    return mode
+
+
+def kstep_runs(mode: str, backend) -> bool:
+    """Whether a drafter entry's K-step graph is used on `backend` (a BackendConfig): "on" on ONNX, "off" never,
+    "auto" only on a GPU execution provider (on the 2-core CPU a step is the model's own arithmetic, not a run's
+    fixed cost, and the unrolled graph ran 0.55-0.66x the step-wise chain greedy; docs/drafters/draft_model.md).
+
+    >>> from runtime.config import BackendConfig
+    >>> kstep_runs("auto", BackendConfig(kind="onnx")), kstep_runs("on", BackendConfig(kind="onnx"))
+    (False, True)"""
+    if backend.kind != "onnx" or mode == "off":
+        return False
+    return mode == "on" or any(p != "CPUExecutionProvider" for p in backend.providers)
+
+
+def kstep_uniforms(ctx, steps: int) -> np.ndarray:
+    """One uniform per drafted token of a K-step run, from the drafter's stream (a greedy chain draws none)."""
+    return np.zeros(steps) if ctx.params.greedy else ctx.rng.random(steps)
+
+
+def kstep_chain(ctx, tokens: np.ndarray, q: np.ndarray, own: Optional[np.ndarray], depth: int) -> DraftTree:
+    """The chain of one K-step run (tokens (K,), the q (K, V) each was drawn from, each token's own confidence
+    (K,) or None) as the step-wise loop (`grow_chains`) would have kept it: its first `depth` tokens, cut where the
+    adaptive rule's nodes stop paying (ctx.stop: NodeRule.keep_chain, node t by the confidences before it and its
+    own q, a point mass by its own confidence too), with path confidences when asked. A chain needing confidences
+    the graph did not return is the caller's to avoid (`kstep_fits`).
+
+    Example: greedy, depth 2 of tokens (5, 7, 9) -> tokens (5, 7), parents (-1, 0), q None."""
+    greedy = ctx.params.greedy
+    if not greedy:
+        q = q[:depth].astype(np.float64)
+        q /= q.sum(axis=1, keepdims=True)  # the draw's own normalisation (inverse CDF against the total mass)
+    if ctx.stop is not None:
+        depth = ctx.stop.keep_chain([None] * depth if greedy else q, own[:depth].tolist(), greedy)
+    conf = np.cumprod(own[:depth].astype(np.float64)) if ctx.wants_confidence else None
+    return DraftTree(tokens=tokens[:depth].astype(np.int64), parents=np.arange(-1, depth - 1, dtype=np.int64),
+                     q=None if greedy or not depth else q[:depth], deterministic=np.full(depth, greedy),
+                     confidence=conf)
+
+
+def kstep_fits(ctx, kstep, branching: int, depth: int, catch_up: int, room: int, chunk: int) -> bool:
+    """Whether a K-step graph (with .steps, .has_confidence) can draft this request's chain exactly as the step-wise
+    path would: a chain (branching 1), no grammar (its masks follow the path), at most the graph's K tokens, a
+    catch-up of 1 .. `chunk` rows, room for the K - 1 rows it writes beyond them, and, where the adaptive rule cuts
+    the chain or records its confidences, a graph that returns them (an older export does not)."""
+    return (kstep is not None and branching == 1 and ctx.allowed is None and 0 < depth <= kstep.steps
+            and 0 < catch_up <= chunk and kstep.steps - 1 <= room and (kstep.has_confidence or not ctx.wants_confidence))

@@ -18,7 +18,7 @@ def _add(writer, flag: str, path: str, spec):
 
 
 def _graphs(job: GraphJob):
-    from export.drafters import eagle_onnx
+    from export.drafters import eagle_kstep, eagle_onnx
     from export.onnx.graph import share_initializers
 
     out = []
@@ -27,7 +27,18 @@ def _graphs(job: GraphJob):
         staged = os.path.join(job.staging, os.path.basename(grel))
         eagle_onnx.export_and_check(drafter, staged, f"{job.bundle.root}/{grel}", job.validate)
         share_initializers(staged, job.target_graph)  # the target's embedding/head
-        out += [(user, [grel, grel + ".data"], eagle_onnx.graph_params(drafter)) for user in users]
+        files, params = [grel, grel + ".data"], dict(eagle_onnx.graph_params(drafter))
+        chains = [u for u in users if job.bundle.drafters[u].params.get("tree") is None]
+        if job.kstep and chains:  # the K-step chain graph, in the same entry (a dynamic tree never takes it)
+            steps = int(job.bundle.drafters[chains[0]].params.get("num_tokens", 4))
+            krel = f"onnx/drafter.{name}.kstep{steps}.fp32.onnx"
+            kstaged = os.path.join(job.staging, os.path.basename(krel))
+            eagle_kstep.export_and_check(drafter, kstaged, steps, f"{job.bundle.root}/{krel}", job.validate)
+            share_initializers(kstaged, staged)  # the head's layer, stored once
+            share_initializers(kstaged, job.target_graph)
+            files += [krel, krel + ".data"]
+            params.update(eagle_kstep.kstep_params(steps, krel))
+        out += [(user, files, params) for user in users]
     return out
 
 
