@@ -134,11 +134,13 @@ def compare_with_numpy(drafter: EagleDrafter, path: str, steps: int, seed: int =
         got = ks.run(drafter.cache, context[1:], feats, np.arange(len(context) - 1), params, context, u)
         drafter.reset()
         drafter.pending = feats
-        k, kstep, drafter.k, drafter.kstep = drafter.k, drafter.kstep, steps, None  # the numpy step-wise chain
+        # the numpy step-wise CHAIN (the head may be built for a user with a dynamic tree: eagle2, eagle3)
+        saved = drafter.k, drafter.kstep, drafter.tree, drafter.branching
+        drafter.k, drafter.kstep, drafter.tree, drafter.branching = steps, None, None, 1
         try:
             want = drafter.propose(DraftContext(context, params, _Replay(u), steps, record_confidence=True))
         finally:
-            drafter.k, drafter.kstep = k, kstep
+            drafter.k, drafter.kstep, drafter.tree, drafter.branching = saved
         if len(want) != steps or not np.array_equal(got.tokens, want.tokens):
             raise ExportError(f"{path}: the K-step graph drafted {got.tokens.tolist()}, the numpy drafter "
                               f"{want.tokens.tolist()} on the same draws")

@@ -40,7 +40,11 @@ def kstep_bundle(tiny_bundle, tmp_path_factory):
     shutil.copytree(tiny_bundle, root)
     spec = bundle_io.load(root).target.spec
     add_eagle_to_bundle(root, eagle1_checkpoint(str(d / "e1"), spec, seed=1), name="eagle")
-    add_eagle_to_bundle(root, eagle3_checkpoint(str(d / "e3"), spec, seed=2, draft_vocab=100), name="eagle3_chain")
+    e3 = eagle3_checkpoint(str(d / "e3"), spec, seed=2, draft_vocab=100)
+    # as in the zoo: one head serves a dynamic tree (listed first) and a chain, so its K-step graph is exported
+    # from the tree user's drafter and must still be checked against the step-wise CHAIN
+    add_eagle_to_bundle(root, e3, name="eagle3", tree={"total_tokens": 10, "depth": 4, "top_k": 3})
+    add_eagle_to_bundle(root, e3, name="eagle3_chain")
     add_onnx_to_bundle(root, "fp32", None, validate=True, kstep="on")  # the K-step graphs checked against numpy
     _set_kstep(root, "on")  # "auto" takes them only on a GPU provider; these tests run them on the CPU one
     return root
@@ -102,14 +106,17 @@ def _kstep(drafter, context, feats, params, u, stop=None):
 
 
 def test_export_records_a_kstep_graph_in_each_eagle_chains_onnx_entry(kstep_bundle):
+    """One graph per head, in the entries of every drafter the head serves; a dynamic tree never runs it."""
     from runtime.model import bundle as bundle_io
 
     b = bundle_io.load(kstep_bundle)
-    for name in CHAINS:
+    for name, head in (("eagle", "eagle"), ("eagle3_chain", "eagle3"), ("eagle3", "eagle3")):
         files = b.drafters[name].backends["onnx"]
         rel = files.params["kstep_graph"]
-        assert rel == f"onnx/drafter.{name}.kstep4.fp32.onnx" and files.params["kstep_steps"] == 4
+        assert rel == f"onnx/drafter.{head}.kstep4.fp32.onnx" and files.params["kstep_steps"] == 4
         assert rel in files.files and os.path.isfile(b.path(rel))
+    tree = Session.open(kstep_bundle, drafter="eagle3", backend="onnx", max_context=128)
+    assert tree.drafter.kstep is None and tree.drafter.draft_paths == {}
 
 
 @pytest.mark.parametrize("name", CHAINS)
