@@ -127,9 +127,11 @@ def mtp_graph_files(name: str, modules: int, precision: str) -> List[str]:
 
 
 def export_bundle_mtp(bundle, name: str, entry, target_weights: Mapping[str, np.ndarray], staging: str,
-                      target_graph: str, precision: str, validate: bool, weights: Mapping[str, np.ndarray]) -> MTPGraphs:
+                      target_graph: str, precision: str, validate: bool, weights: Mapping[str, np.ndarray],
+                      kstep: bool = False) -> MTPGraphs:
     """Export every module of drafter `name` into `staging` (checked against numpy when `validate`; ExportError
-    over the precision's tolerance), its vocab matrices shared with the staged target graph `target_graph`."""
+    over the precision's tolerance), its vocab matrices shared with the staged target graph `target_graph`; with
+    `kstep` and a single module, also its K-step chain graph (K = the entry's num_tokens, default 4)."""
     spec = bundle.target.spec
     modules = int(entry.params.get("num_modules", 1))
     layout = str(entry.params.get("layout", "deepseek_v3"))
@@ -143,5 +145,91 @@ def export_bundle_mtp(bundle, name: str, entry, target_weights: Mapping[str, np.
         if validate:
             check_against_reference(f"{bundle.root}/{files[2 * i]} (drafter {name}, module {i})",
                                     validate_mtp_onnx(args, staged, precision), precision)
-    return MTPGraphs(name, files, {"precision": precision, "modules": modules, "layout": layout})
+    params = {"precision": precision, "modules": modules, "layout": layout}
+    if kstep and modules == 1:
+        from export.drafters import head_kstep
 
+        steps = int(entry.params.get("num_tokens", 4))
+        krel = f"onnx/drafter.{name}.kstep{steps}.{precision}.onnx"
+        kstaged = os.path.join(staging, os.path.basename(krel))
+        export_and_check_kstep((spec, weights, target_weights, layout, 0, first), kstaged, steps, precision,
+                               f"{bundle.root}/{krel} (drafter {name})", validate)
+        share_initializers(kstaged, os.path.join(staging, os.path.basename(files[0])))  # the module, stored once
+        share_initializers(kstaged, target_graph)
+        files += [krel, krel + ".data"]
+        params.update(head_kstep.kstep_params(steps, krel))
+    return MTPGraphs(name, files, params)
+
+
+
+# -- a single module's chain in one run (export/drafters/head_kstep.py) ----------------------------------------
+
+def _kstep_graph(module: MTPModule, steps: int, precision: str):
+    from export.drafters import head_kstep
+
+    class Graph(head_kstep.KStepHeadGraph):
+        """A single MTP module reused on its own output (as runtime/drafters/mtp.py chains it)."""
+
+        def __init__(self):
+            super().__init__(steps, module.spec.vocab_size)
+            self.module = MTPModuleGraph(module, precision)
+
+        def step(self, input_ids, features, position_ids, attention_mask, past_key, past_value):
+            logits, hidden, k, v = self.module(features, input_ids, position_ids, attention_mask, past_key, past_value)
+            return logits[-1], hidden.to(features.dtype), k, v
+
+    return Graph()
+
+
+def export_and_check_kstep(module_args: tuple, out_path: str, steps: int, precision: str, label: str,
+                           validate: bool = True) -> str:
+    """A single module's K-step chain graph at `precision`, its chain logic checked against the numpy MTPDrafter's
+    step-wise chain on the same draws (ExportError over 1e-4). The check runs the float32 build of the same graph
+    (an fp16 run's near-ties would draw other tokens than the float32 reference); the fp16 arithmetic of the step
+    is the module graph's, checked by `validate_mtp_onnx`."""
+    from export.drafters import head_kstep
+
+    spec = module_args[0]
+    kv = (spec.num_kv_heads, spec.head_dim)
+    head_kstep.export_kstep(_kstep_graph(_module(*module_args), steps, precision), out_path, spec.hidden_size, kv,
+                            precision)
+    if not validate:
+        return out_path
+    check = out_path if precision == "fp32" else out_path[:-len(".onnx")] + ".check32.onnx"
+    if check != out_path:
+        head_kstep.export_kstep(_kstep_graph(_module(*module_args), steps, "fp32"), check, spec.hidden_size, kv)
+    try:
+        err = _compare_kstep(module_args, check, steps)
+    finally:
+        if check != out_path:
+            for f in (check, check + ".data"):
+                if os.path.exists(f):
+                    os.remove(f)
+    head_kstep.check(label, err, 1e-4)
+    return out_path
+
+
+def _compare_kstep(module_args: tuple, path: str, steps: int) -> float:
+    from export.drafters import head_kstep
+    from runtime.drafters.heads import HeadKStep
+    from runtime.drafters.mtp import MTPDrafter
+
+    spec, weights, target, layout, _, first = module_args
+    shape = mtp_cache_shape(spec)
+    caches = [KVArena.for_context({"m": shape}, 32).allocate("m", shape, 32) for _ in range(2)]
+    embed = np.ascontiguousarray(target["model.embed_tokens.weight"], np.float32)
+    head = embed if spec.tie_word_embeddings else np.ascontiguousarray(target["lm_head.weight"], np.float32)
+    ref = MTPDrafter(spec, weights, embed, head, [caches[0]], num_tokens=steps, layer_index=first, layout=layout)
+    ks = HeadKStep(path, steps)
+    hidden = np.random.default_rng(1).normal(0, 1, (8, spec.hidden_size)).astype(np.float32)
+
+    def run_kstep(context, params, u):
+        caches[1].reset()
+        return ks.run(caches[1], context[1:], hidden, np.arange(len(context) - 1), params, context, u)
+
+    def stepwise(context, ctx):
+        ref.reset()
+        ref.pending[0] = list(hidden)
+        return ref.propose(ctx)
+
+    return head_kstep.compare_with_stepwise(path, steps, spec.vocab_size, run_kstep, stepwise)

@@ -34,8 +34,9 @@ import numpy as np
 
 from runtime.backends.factory import load_weights
 from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec, draft_cache_shapes
-from runtime.drafters.heads import HeadRunner, head_graphs
-from runtime.drafters.shared import node_confidence, pick
+from runtime.drafters.heads import HeadRunner, head_graphs, head_kstep
+from runtime.drafters.shared import (KSTEP, STEPWISE, kstep_chain, kstep_fits, kstep_mode, kstep_uniforms,
+                                     node_confidence, pick)
 from runtime.errors import BundleError
 from runtime.memory.kv import CacheShape, KVCache
 from runtime.memory.bundle_sizes import entry_numel, target_embedding_copy_bytes
@@ -175,8 +176,9 @@ class MTPDrafter(Drafter):
 
     def __init__(self, spec: ModelSpec, weights: Mapping[str, np.ndarray], embed: np.ndarray, head: np.ndarray,
                  caches: Sequence[KVCache], num_tokens: int = 2, layer_index: Optional[int] = None,
-                 layout: str = "deepseek_v3", nets: Optional[Sequence] = None):
-        """caches: one per module (len = the number of modules); nets: one ONNX graph (OnnxNet) per module, or None."""
+                 layout: str = "deepseek_v3", nets: Optional[Sequence] = None, kstep=None):
+        """caches: one per module (len = the number of modules); nets: one ONNX graph (OnnxNet) per module, or None;
+        kstep: a single module's K-step chain graph (runtime/drafters/heads.HeadKStep), or None."""
         if isinstance(caches, KVCache):
             caches = [caches]
         first = spec.num_layers if layer_index is None else layer_index
@@ -192,6 +194,12 @@ class MTPDrafter(Drafter):
         # per module: its input hiddens not yet run, from its first uncommitted row on (module 0: the target's)
         self.pending: List[List[np.ndarray]] = [[] for _ in self.modules]
         self._shared = 0  # n of the last `reusable_prefix` call
+        self.kstep = kstep if len(self.modules) == 1 else None
+        self._paths: Dict[str, int] = {KSTEP: 0, STEPWISE: 0}
+
+    @property
+    def draft_paths(self) -> Dict[str, int]:
+        return dict(self._paths) if self.kstep is not None else {}
 
     @property
     def backend(self) -> str:
@@ -271,6 +279,10 @@ class MTPDrafter(Drafter):
             m.cache.keep(r, [])
         last = self.modules[-1].cache
         depth = min(self.k, ctx.max_nodes, last.max_positions - (n - 1) + len(self.modules))
+        room = last.max_positions - (n - 1)  # rows past the catch-up (one module)
+        if kstep_fits(ctx, self.kstep, 1, depth, len(self.pending[0]), room, self.prefill_chunk):
+            return self._propose_kstep(ctx, tokens, depth)
+        self._paths[STEPWISE] += 1
         drafted: List[int] = []
         qs = []
         temp: List[np.ndarray] = []  # the previous module's outputs at its temporary rows
@@ -304,6 +316,19 @@ class MTPDrafter(Drafter):
                          q=None if greedy else np.stack(qs), deterministic=np.full(len(drafted), greedy),
                          confidence=np.asarray(conf, np.float64) if ctx.wants_confidence else None)
 
+    def _propose_kstep(self, ctx: DraftContext, tokens: List[int], depth: int) -> DraftTree:
+        """The single module's chain from one run of its K-step graph: module 0's rows r .. n-2 (all committed) and
+        K drafted tokens on its own output (`shared.kstep_chain` cuts it as the step-wise chain would be cut)."""
+        n, r = len(tokens), self.rows[0]
+        inputs = self.pending[0]
+        if len(inputs) != n - 1 - r:
+            raise RuntimeError(f"MTP module 0: {len(inputs)} input rows for positions {r}..{n - 2}")
+        self._paths[KSTEP] += 1
+        got = self.kstep.run(self.modules[0].cache, tokens[r + 1:n], np.stack(inputs), np.arange(r, n - 1), ctx.params,
+                             tokens, kstep_uniforms(ctx, self.kstep.steps))
+        self.rows[0], self.pending[0] = n - 1, []
+        return kstep_chain(ctx, got.tokens, got.q, got.confidence, depth)
+
     def _run_module(self, i: int, seq: Sequence[int], temp: List[np.ndarray], n: int):
         """Module i over its rows r .. n-2 (r: its committed rows; seq = committed tokens + the i drafted):
         rows t <= n-2-i read committed tokens and stay, the rest are temporary. Its committed outputs become
@@ -336,12 +361,13 @@ class MTPParams:
     num_modules: int = 1
     first_layer_index: Optional[int] = None  # of module 0 in the checkpoint (None: right after the target's layers)
     layout: str = "deepseek_v3"  # one of MTP_LAYOUTS
+    kstep: str = "auto"  # a single module's chain in one run of its K-step graph: auto (GPU providers) | on | off
 
     @staticmethod
     def from_dict(d: Mapping, where: str) -> "MTPParams":
         first = d.get("first_layer_index")
         return MTPParams(int(d.get("num_modules", 1)), None if first is None else int(first),
-                         str(d.get("layout", "deepseek_v3")))
+                         str(d.get("layout", "deepseek_v3")), kstep_mode(d, where))
 
 
 def mtp_graphs(b: DrafterBuild, modules: int):
@@ -360,9 +386,11 @@ def build(b: DrafterBuild, p: MTPParams) -> MTPDrafter:
     embed, head = b.embed_and_head()
     caches = [b.arena.allocate(f"mtp.{i}", mtp_cache_shape(spec), b.max_positions + b.num_tokens)
               for i in range(p.num_modules)]
+    nets = mtp_graphs(b, p.num_modules)
+    kstep = head_kstep(b, p.kstep, "MTP K-step") if nets is not None and p.num_modules == 1 else None
     return MTPDrafter(spec, weights, embed, head, caches, num_tokens=b.num_tokens,
                       layer_index=spec.num_layers if p.first_layer_index is None else p.first_layer_index,
-                      layout=p.layout, nets=mtp_graphs(b, p.num_modules))
+                      layout=p.layout, nets=nets, kstep=kstep)
 
 
 def cache_shapes(entry, p: MTPParams, target_spec) -> Dict[str, CacheShape]:

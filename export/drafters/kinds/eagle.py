@@ -18,7 +18,7 @@ def _add(writer, flag: str, path: str, spec):
 
 
 def _graphs(job: GraphJob):
-    from export.drafters import eagle_kstep, eagle_onnx
+    from export.drafters import eagle_kstep, eagle_onnx, head_kstep
     from export.onnx.graph import share_initializers
 
     out = []
@@ -37,7 +37,7 @@ def _graphs(job: GraphJob):
             share_initializers(kstaged, staged)  # the head's layer, stored once
             share_initializers(kstaged, job.target_graph)
             files += [krel, krel + ".data"]
-            params.update(eagle_kstep.kstep_params(steps, krel))
+            params.update(head_kstep.kstep_params(steps, krel))
         out += [(user, files, params) for user in users]
     return out
 

@@ -21,7 +21,7 @@ def _graphs(job: GraphJob):
     b = job.bundle
     return [(m.name, m.files, m.params) for m in (
         export_bundle_mtp(b, name, d, job.target_weights, job.staging, job.target_graph, job.precision, job.validate,
-                          safetensors_weights(b, d.files))
+                          safetensors_weights(b, d.files), job.kstep)
         for name, d in b.drafters.items() if d.kind == "mtp")]
 
 
