@@ -1,11 +1,12 @@
 """K-step against step-wise draft chains, in one process, interleaved: tok/s over plain decoding, tau, draft and
 verify ms per cycle, T = 0 and 1, fixed chains of 4 over the bench prompts; then one K = 4 run of each K-step graph
 against one single-row draft step from the same cache state (issue 32's "a K = 4 chain costs <= 1.5x one step").
+Drafters: draft_model, eagle / eagle3_chain (EAGLE chains), mtp (one module).
 
 The bundle must hold K-step graphs (`edgespec export --to onnx --bundle B --kstep on`); two copies of it are made in
 a temporary directory, one with params.kstep "on" for the named drafters, one with "off".
 
-    PYTHONPATH=$PWD python scripts/kstep_ab.py B [draft_model,eagle3_chain,eagle] [rounds]
+    PYTHONPATH=$PWD python scripts/kstep_ab.py B [draft_model,eagle3_chain,eagle,mtp] [rounds]
 """
 import os
 import shutil
@@ -55,6 +56,20 @@ def one_step_and_run(name: str, drafter, ids):
         drafter.kstep.run(ids[-1:], np.arange(len(ids) - 1, len(ids)), params, ids, zeros)
         return one, time.perf_counter() - t0
     feats = np.zeros((len(ids) - 1, drafter.spec.hidden_size), np.float32)
+    if name == "mtp":  # one module: its cache caught up on all but the last row, then that row alone
+        cache = drafter.modules[0].cache
+        drafter.reset()
+        drafter.modules[0].run(feats[:-1], ids[1:-1], 0)
+        base = cache.length
+        t0 = time.perf_counter()
+        drafter.modules[0].run(feats[-1:], ids[-1:], len(ids) - 2)
+        one = time.perf_counter() - t0
+        cache.length = base
+        t0 = time.perf_counter()
+        drafter.kstep.run(cache, ids[-1:], feats[-1:], np.array([len(ids) - 2]), params, ids, zeros)
+        run = time.perf_counter() - t0
+        cache.length = base
+        return one, run
     drafter.reset()
     drafter.pending = feats[:-1]
     drafter._catch_up(ids[:-1])

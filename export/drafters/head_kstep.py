@@ -32,7 +32,7 @@ import torch
 
 from export.library_logs import quiet_library
 from export.onnx.graph import OPSET, PRECISIONS, save_program
-from export.onnx.kstep import PARAM_INPUTS, confidence, draw, penalise, processed
+from export.onnx.kstep import PARAM_INPUTS, draft_step
 from runtime.drafters.base import DraftContext
 from runtime.errors import ExportError
 from runtime.sampling import SamplingParams
@@ -63,15 +63,13 @@ class KStepHeadGraph(torch.nn.Module):
         pos = position_ids[-1:]
         tokens, qs, confs = [], [], []
         for j in range(self.steps):
-            x = penalise(logits, repetition_penalty, logit_mask, seen)
-            q = processed(x, temperature, top_k, top_p, min_p)
-            tok = draw(q, uniforms[j:j + 1]).reshape(1)
+            tok, q, conf, seen = draft_step(logits, uniforms[j:j + 1], temperature, top_k, top_p, min_p,
+                                            repetition_penalty, logit_mask, seen)
             tokens.append(tok)
             qs.append(q)
-            confs.append(confidence(x, q, tok, temperature))
+            confs.append(conf)
             if j + 1 == self.steps:
                 break
-            seen = seen | (torch.arange(seen.shape[0]) == tok)
             pos = pos + 1
             # one new row on the layer's own output: it sees the past and every new row
             n = new_k.shape[0]

@@ -173,6 +173,15 @@ def draw(q, u):
     return torch.minimum(idx, last)
 
 
+def draft_step(logits, u, temperature, top_k, top_p, min_p, repetition_penalty, logit_mask, seen):
+    """One drafted token of a K-step graph from (V,) float32 logits and its uniform u (1,): -> (token (1,), the q it
+    was drawn from (V,), its confidence (1,), `seen` with the token added for the repetition penalty)."""
+    x = penalise(logits, repetition_penalty, logit_mask, seen)
+    q = processed(x, temperature, top_k, top_p, min_p)
+    tok = draw(q, u).reshape(1)
+    return tok, q, confidence(x, q, tok, temperature), seen | (torch.arange(seen.shape[0]) == tok)
+
+
 class KStepDraftGraph(torch.nn.Module):
     """K steps of a draft model with processing and sampling between them (see the module docstring)."""
 
@@ -227,15 +236,13 @@ class KStepDraftGraph(torch.nn.Module):
         tokens, qs, confs = [], [], []
         pos = position_ids[-1:]
         for j in range(self.steps):
-            x = penalise(logits, repetition_penalty, logit_mask, seen)
-            q = processed(x, temperature, top_k, top_p, min_p)
-            tok = draw(q, uniforms[j:j + 1]).reshape(1)
+            tok, q, conf, seen = draft_step(logits, uniforms[j:j + 1], temperature, top_k, top_p, min_p,
+                                            repetition_penalty, logit_mask, seen)
             tokens.append(tok)
             qs.append(q)
-            confs.append(confidence(x, q, tok, temperature))
+            confs.append(conf)
             if j + 1 == self.steps:
                 break
-            seen = seen | (torch.arange(seen.shape[0]) == tok)
             pos = pos + 1
             # one new row: it sees the past and every new row (no causal mask needed)
             logits = self._step(tok, pos, past_keys, past_values, chain_k, chain_v, torch.zeros(1, chain_k[0].shape[0] + 1))

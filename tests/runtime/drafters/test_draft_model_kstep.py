@@ -12,6 +12,7 @@ import pytest
 
 from runtime.certify.stat_tests import chi_square_gof
 from runtime.serving.session import GenerationParams, Session
+from tests.support.kstep import set_kstep
 
 pytest.importorskip("onnxruntime", reason="the onnx extra (onnxruntime) is not installed")
 
@@ -34,16 +35,7 @@ def kstep_bundle(tiny_bundle, tmp_path_factory):
 
 
 def _set_kstep(root: str, mode: str) -> None:
-    import os
-
-    import yaml
-
-    path = os.path.join(root, "bundle.yaml")
-    with open(path) as f:
-        m = yaml.safe_load(f)
-    m["drafters"]["draft_model"]["params"] = {**(m["drafters"]["draft_model"].get("params") or {}), "kstep": mode}
-    with open(path, "w") as f:
-        yaml.safe_dump(m, f, sort_keys=False)
+    set_kstep(root, ["draft_model"], mode)
 
 
 @pytest.mark.parametrize("mode, runs", [("auto", False), ("off", False), ("on", True)])

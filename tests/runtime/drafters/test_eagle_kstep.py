@@ -10,13 +10,14 @@ import shutil
 
 import numpy as np
 import pytest
-import yaml
 
 from runtime.certify.stat_tests import chi_square_gof
 from runtime.drafters.base import DraftContext
 from runtime.sampling import SamplingParams
 from runtime.serving.session import GenerationParams, Session
+from export.drafters.head_kstep import Replay
 from tests.support.eagle_tiny import eagle1_checkpoint, eagle3_checkpoint
+from tests.support.kstep import set_kstep
 
 pytest.importorskip("onnxruntime", reason="the onnx extra (onnxruntime) is not installed")
 
@@ -51,13 +52,7 @@ def kstep_bundle(tiny_bundle, tmp_path_factory):
 
 
 def _set_kstep(root: str, mode: str) -> None:
-    path = os.path.join(root, "bundle.yaml")
-    with open(path) as f:
-        m = yaml.safe_load(f)
-    for name in CHAINS:
-        m["drafters"][name]["params"] = {**(m["drafters"][name].get("params") or {}), "kstep": mode}
-    with open(path, "w") as f:
-        yaml.safe_dump(m, f, sort_keys=False)
+    set_kstep(root, CHAINS, mode)
 
 
 @pytest.fixture(scope="module")
@@ -72,23 +67,13 @@ def heads(kstep_bundle):
     return out
 
 
-class _Replay:
-    """The drafter's stream replaced by given uniforms, in order: the step-wise chain then draws what the graph did."""
-
-    def __init__(self, u):
-        self.u = list(u)
-
-    def random(self, size=None):
-        return self.u.pop(0) if size is None else np.asarray([self.u.pop(0) for _ in range(size)])
-
-
 def _stepwise(drafter, context, feats, params, u, stop=None):
     """The step-wise chain (the head's step graph, numpy processing) from a fresh cache on the uniforms u."""
     ks, drafter.kstep = drafter.kstep, None
     try:
         drafter.reset()
         drafter.pending = feats
-        return drafter.propose(DraftContext(context, params, _Replay(u), drafter.k, None, stop, True))
+        return drafter.propose(DraftContext(context, params, Replay(u), drafter.k, None, stop, True))
     finally:
         drafter.kstep = ks
         drafter.reset()
@@ -99,7 +84,7 @@ def _kstep(drafter, context, feats, params, u, stop=None):
     drafter.reset()
     drafter.pending = feats
     before = drafter.draft_paths["kstep"]
-    tree = drafter.propose(DraftContext(context, params, _Replay(u), drafter.k, None, stop, True))
+    tree = drafter.propose(DraftContext(context, params, Replay(u), drafter.k, None, stop, True))
     assert drafter.draft_paths["kstep"] == before + 1
     drafter.reset()
     return tree

@@ -9,12 +9,13 @@ import os
 
 import numpy as np
 import pytest
-import yaml
 
 from runtime.certify.stat_tests import chi_square_gof
 from runtime.drafters.base import DraftContext
 from runtime.sampling import SamplingParams
 from runtime.serving.session import GenerationParams, Session
+from export.drafters.head_kstep import Replay
+from tests.support.kstep import set_kstep
 from tests.support.mtp_tiny import write_mtp_checkpoint
 
 pytest.importorskip("onnxruntime", reason="the onnx extra (onnxruntime) is not installed")
@@ -33,12 +34,7 @@ def _build(root: str, precision: str) -> str:
 
     out = build_bundle(write_mtp_checkpoint(root, modules=1), os.path.join(root, "bundle"), name="mtp1")
     add_onnx_to_bundle(out, precision, kstep="on")
-    path = os.path.join(out, "bundle.yaml")
-    with open(path) as f:
-        m = yaml.safe_load(f)
-    m["drafters"]["mtp"]["params"] = {**(m["drafters"]["mtp"].get("params") or {}), "kstep": "on"}
-    with open(path, "w") as f:
-        yaml.safe_dump(m, f, sort_keys=False)
+    set_kstep(out, ["mtp"], "on")  # "auto" takes it only on a GPU provider; these tests run it on the CPU one
     return out
 
 
@@ -57,14 +53,6 @@ def module(mtp_bundle):
     return s.drafter, context, hidden
 
 
-class _Replay:
-    def __init__(self, u):
-        self.u = list(u)
-
-    def random(self, size=None):
-        return self.u.pop(0) if size is None else np.asarray([self.u.pop(0) for _ in range(size)])
-
-
 def _propose(drafter, context, hidden, params, u, kstep: bool):
     saved = drafter.kstep
     if not kstep:
@@ -72,7 +60,7 @@ def _propose(drafter, context, hidden, params, u, kstep: bool):
     try:
         drafter.reset()
         drafter.pending[0] = list(hidden)
-        return drafter.propose(DraftContext(context, params, _Replay(u), drafter.k, None, None, True))
+        return drafter.propose(DraftContext(context, params, Replay(u), drafter.k, None, None, True))
     finally:
         drafter.kstep = saved
         drafter.reset()
