@@ -606,6 +606,21 @@ class NodeRule:
             gain = max(gain, self.reach[depth - 1])
         return gain
 
+    def gain_bound(self, parent_confidence: float, depth: int = 0) -> float:
+        """The most a child of a path of `parent_confidence` can be expected to gain, whatever it is drawn from:
+        a certain token's calibrated gain (the calibration is non-decreasing, so `fixed_gain` and `drawn_gain` of
+        any child are at most this) or, for a SAMPLED node at `depth` (0: none), the template's reach there. A
+        level no frontier node's bound pays for is not run; with the reach counted, the step-wise chain stops
+        where `keep_chain` cuts a K-step one.
+
+        >>> rule = NodeRule(CostModel(((1, 1.0),)), Calibration(prior_weight=0.0), rate=1.0, reach=(0.9, 0.7))
+        >>> rule.gain_bound(0.5), rule.gain_bound(0.5, depth=2)  # nothing observed: the prior 0.5; depth 2's reach
+        (0.5, 0.7)"""
+        gain = self.fixed_gain(parent_confidence)
+        if 0 < depth <= len(self.reach):
+            gain = max(gain, self.reach[depth - 1])
+        return gain
+
     def keep_chain(self, qs: Sequence[np.ndarray], confidence: Sequence[float], deterministic: bool,
                    nodes: int = 0) -> int:
         """How many of a drafted chain's nodes to keep (nodes already kept before it: `nodes`). Node t is decided

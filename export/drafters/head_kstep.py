@@ -87,7 +87,7 @@ def export_kstep(module: KStepHeadGraph, out_path: str, hidden: int, kv_shape, p
     kv = (p, *kv_shape)
     args = (torch.zeros(t, dtype=torch.int64), torch.zeros(t, hidden, dtype=dt), torch.arange(p, p + t), torch.ones(1),
             torch.zeros(1, dtype=torch.int64), torch.ones(1), torch.zeros(1), torch.ones(1), torch.zeros(v),
-            torch.zeros(v, dtype=torch.bool), torch.full((k,), 0.5), torch.zeros(kv, dtype=dt), torch.zeros(kv, dtype=dt))
+            torch.zeros(v, dtype=torch.bool), torch.full((k,), 0.5, dtype=torch.float64), torch.zeros(kv, dtype=dt), torch.zeros(kv, dtype=dt))
     T, P = torch.export.Dim("T"), torch.export.Dim("P")
     dynamic = {"input_ids": {0: T}, "features": {0: T}, "position_ids": {0: T}, "temperature": None, "top_k": None,
                "top_p": None, "min_p": None, "repetition_penalty": None, "logit_mask": None, "seen": None,

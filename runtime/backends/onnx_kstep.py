@@ -44,6 +44,14 @@ def param_feeds(params: SamplingParams, history: Sequence[int], vocab: int) -> d
             "repetition_penalty": np.array([params.repetition_penalty], np.float32), "logit_mask": mask, "seen": seen}
 
 
+def uniforms_dtype(session) -> type:
+    """The dtype a K-step graph takes its uniforms in: float64 (the draw sums its mass in float64,
+    export/onnx/kstep.py's `draw`), float32 from a graph exported before (its draw is then float32's, and so is
+    its small error: re-export the bundle's ONNX graphs to remove it)."""
+    got = next(i.type for i in session.get_inputs() if i.name == "uniforms")
+    return np.float64 if got == "tensor(double)" else np.float32
+
+
 class KStepChain(NamedTuple):
     tokens: np.ndarray  # (K,) int64: the drafted chain
     q: np.ndarray  # (K, V) float32: the distribution each was drawn from
@@ -67,6 +75,7 @@ class OnnxKStep:
             raise BackendError(f"{model_path}: the K-step graph has no input {missing[0]!r}; re-export the bundle's "
                                "ONNX graphs with `edgespec export --to onnx --bundle DIR --kstep on`")
         self.has_confidence = "confidence" in {o.name for o in self.session.get_outputs()}
+        self.uniforms_dtype = uniforms_dtype(self.session)
         self.binding = self.session.io_binding()
         self._bind_input, self._bind_output = _binders(ort, self.binding)
         self._bind_kv_in, self._bind_kv_out = _binders(ort, self.binding, target.device)
@@ -90,7 +99,7 @@ class OnnxKStep:
         t, p, k = tokens.shape[0], tg.cache.length, self.steps
         tg.cache.check_room(t + k - 1)
         feeds = param_feeds(params, history, tg.spec.vocab_size)
-        feeds["uniforms"] = np.ascontiguousarray(uniforms, dtype=np.float32)
+        feeds["uniforms"] = np.ascontiguousarray(uniforms, dtype=self.uniforms_dtype)
         out_tokens = np.empty(k, np.int64)
         q = np.empty((k, tg.spec.vocab_size), np.float32)
         b = self.binding

@@ -119,8 +119,9 @@ class Drafter:
 
     @property
     def draft_paths(self) -> Dict[str, int]:
-        """Proposals so far per drafting path, for a drafter with more than one (a draft model: "kstep", one
-        graph run per chain, or "stepwise", a forward per token); {} for a drafter with one path."""
+        """Proposals so far per drafting path, for a drafter with more than one (one with a K-step graph: the draft
+        model, an EAGLE-1/3 chain, a single MTP module: "kstep", one graph run per chain, or "stepwise", a forward
+        per token); {} for a drafter with one path."""
         return {}
 
 

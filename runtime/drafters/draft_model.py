@@ -24,8 +24,8 @@ from runtime.backends.numpy_ref import cache_shape
 from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec, common_prefix_len
 from runtime.memory.plan import DrafterMemory, NO_DRAFTER, dims_from_spec
 from runtime.model.bundle import BackendFiles, gguf_entries
-from runtime.drafters.shared import (KSTEP, STEPWISE, grow_chains, kstep_chain, kstep_fits, kstep_mode, kstep_runs,
-                                     kstep_uniforms, tree_mask)
+from runtime.drafters.shared import (KSTEP, STEPWISE, grow_chains, kstep_chain, kstep_fits, kstep_memory, kstep_mode,
+                                     kstep_runs, kstep_uniforms, tree_mask)
 from runtime.tree import DraftTree, empty_tree, path_to
 
 
@@ -191,7 +191,8 @@ def memory(bundle, entry, p: DraftModelParams, backend: str) -> DrafterMemory:
     d_prec = d_files.params.get("precision", "fp32") if d_files is not None else "fp32"
     if d_files is not None and backend == "gguf":
         d_prec = {"f16": "fp16"}.get(d_files.params.get("quant", "f16"), d_files.params.get("quant"))
-    return DrafterMemory(dims_from_spec(entry.spec), d_prec, prefill_chunked=True)
+    return DrafterMemory(dims_from_spec(entry.spec), d_prec, prefill_chunked=True,
+                         kstep_bytes=kstep_memory(bundle, entry, backend), kstep_mode=p.kstep)
 
 
 SPEC = DrafterSpec(kinds=("draft_model",), params=DraftModelParams.from_dict, build=build, memory=memory,

@@ -31,8 +31,8 @@ from runtime.backends.factory import load_weights
 from runtime.backends.numpy_ref import cache_shape
 from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec
 from runtime.drafters.heads import HeadRunner, head_graphs, head_kstep
-from runtime.drafters.shared import (KSTEP, STEPWISE, grow_chains, kstep_chain, kstep_fits, kstep_mode, kstep_uniforms,
-                                     ranking_params, tree_mask)
+from runtime.drafters.shared import (KSTEP, STEPWISE, grow_chains, kstep_chain, kstep_fits, kstep_memory, kstep_mode,
+                                     kstep_uniforms, ranking_params, tree_mask)
 from runtime.errors import BundleError
 from runtime.memory import plan as memory_plan
 from runtime.memory.bundle_sizes import target_embedding_copy_bytes
@@ -470,7 +470,9 @@ def memory(bundle, entry, p: EagleParams, backend: str) -> memory_plan.DrafterMe
     if entry.spec is None:
         return memory_plan.NO_DRAFTER
     extra = target_embedding_copy_bytes(bundle.target.spec) if backend != "numpy_ref" else 0
-    return memory_plan.DrafterMemory(eagle_dims(entry, p), "fp32", extra, prefill_chunked=True)
+    kstep = kstep_memory(bundle, entry, backend) if p.tree is None else 0  # a tree drafts step-wise
+    return memory_plan.DrafterMemory(eagle_dims(entry, p), "fp32", extra, prefill_chunked=True, kstep_bytes=kstep,
+                                     kstep_mode=p.kstep)
 
 
 SPEC = DrafterSpec(kinds=("eagle", "eagle3"), params=EagleParams.from_dict, build=build, memory=memory,

@@ -127,6 +127,9 @@ class HeadKStep:
         self.model_path, self.steps, self.has_confidence = model_path, int(steps), True
         mask = self.net.session.get_inputs()[self.net.input_names.index("logit_mask")]
         self.vocab = int(mask.shape[0])  # the target's vocabulary (static in the graph)
+        from runtime.backends.onnx_kstep import uniforms_dtype
+
+        self.uniforms_dtype = uniforms_dtype(self.net.session)
 
     def run(self, cache: KVCache, tokens: Sequence[int], features: np.ndarray, positions: np.ndarray, params,
             history: Sequence[int], uniforms: np.ndarray):
@@ -138,7 +141,7 @@ class HeadKStep:
         rows = t + self.steps - 1
         cache.check_room(rows)
         feeds = {"input_ids": np.asarray(tokens, np.int64), "features": np.asarray(features, np.float32),
-                 "position_ids": np.asarray(positions, np.int64), "uniforms": np.asarray(uniforms, np.float32),
+                 "position_ids": np.asarray(positions, np.int64), "uniforms": np.asarray(uniforms, self.uniforms_dtype),
                  **param_feeds(params, history, self.vocab)}
         got = run_on_cache(self.net, feeds, cache, rows)
         cache.length += rows

@@ -35,8 +35,8 @@ import numpy as np
 from runtime.backends.factory import load_weights
 from runtime.drafters.base import DraftContext, Drafter, DrafterBuild, DrafterSpec, draft_cache_shapes
 from runtime.drafters.heads import HeadRunner, head_graphs, head_kstep
-from runtime.drafters.shared import (KSTEP, STEPWISE, kstep_chain, kstep_fits, kstep_mode, kstep_uniforms,
-                                     node_confidence, pick)
+from runtime.drafters.shared import (KSTEP, STEPWISE, kstep_chain, kstep_fits, kstep_memory, kstep_mode,
+                                     kstep_uniforms, node_confidence, pick)
 from runtime.errors import BundleError
 from runtime.memory.kv import CacheShape, KVCache
 from runtime.memory.bundle_sizes import entry_numel, target_embedding_copy_bytes
@@ -405,7 +405,8 @@ def memory(bundle, entry, p: MTPParams, backend: str) -> DrafterMemory:
     extra = 4 * entry_numel(bundle, entry)
     if backend != "numpy_ref":
         extra += target_embedding_copy_bytes(bundle.target.spec)
-    return DrafterMemory(extra_bytes=extra)
+    kstep = kstep_memory(bundle, entry, backend) if p.num_modules == 1 else 0  # a graph of one module's chain
+    return DrafterMemory(extra_bytes=extra, kstep_bytes=kstep, kstep_mode=p.kstep)
 
 
 SPEC = DrafterSpec(kinds=("mtp",), params=MTPParams.from_dict, build=build, memory=memory, cache_shapes=cache_shapes,

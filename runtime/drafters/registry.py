@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from dataclasses import replace
 from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
 import runtime.drafters as package
 from runtime.config import BackendConfig
 from runtime.drafters.base import Drafter, DrafterBuild, DrafterSpec
+from runtime.drafters.shared import kstep_runs
 from runtime.errors import BundleError
 from runtime.memory import bundle_sizes, plan as memory
 from runtime.memory.kv import CacheShape, KVArena
@@ -125,8 +127,15 @@ def drafter_memory(bundle, name: str, backend: str) -> memory.DrafterMemory:
 
 
 def plan_inputs(bundle, name: str, backend: str, tree_tokens: int, precision: str = "auto",
-                prefill_chunk: int = memory.PREFILL_CHUNK, exceed_max_positions: bool = False) -> memory.PlanInputs:
+                prefill_chunk: int = memory.PREFILL_CHUNK, exceed_max_positions: bool = False,
+                providers: Optional[Tuple[str, ...]] = None) -> memory.PlanInputs:
     """The memory plan's inputs for a bundle served with drafter `name` ("none": plain decoding) on `backend`,
-    prefilling in chunks of `prefill_chunk` (and past max_position_embeddings only with `exceed_max_positions`)."""
-    return bundle_sizes.bundle_inputs(bundle, None if name == "none" else name, drafter_memory(bundle, name, backend),
-                                backend, tree_tokens, precision, prefill_chunk, exceed_max_positions)
+    prefilling in chunks of `prefill_chunk` (and past max_position_embeddings only with `exceed_max_positions`).
+    A drafter's K-step graph is counted where it runs on these execution `providers` (shared.kstep_runs); None:
+    a robot's, where a GPU provider takes it unless the entry says kstep "off" (the memory CLI plans a device)."""
+    draft = drafter_memory(bundle, name, backend)
+    inputs = bundle_sizes.bundle_inputs(bundle, None if name == "none" else name, draft, backend, tree_tokens,
+                                        precision, prefill_chunk, exceed_max_positions)
+    runs = draft.kstep_mode != "off" if providers is None else \
+        kstep_runs(draft.kstep_mode, BackendConfig(kind=backend, providers=tuple(providers)))
+    return replace(inputs, drafter_kstep_bytes=draft.kstep_bytes if draft.kstep_bytes and runs else 0)

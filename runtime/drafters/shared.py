@@ -75,7 +75,7 @@ def grow_chains(ctx, history: List[int], root_logits: np.ndarray, width: int, de
 
     With `ctx.stop` (runtime.speculation.NodeRule) a chain ends at the first node that does not pay, and a level
     is not run at all when even a certain next token could not pay for any chain (the gain of a child is at most
-    the calibrated acceptance of its parent's path).
+    the calibrated acceptance of its parent's path, or a sampled chain's reach at that depth: NodeRule.gain_bound).
 
     Example, width 2, depth 2, greedy: the root's top-2 tokens a, b; one run over [a, b] -> their argmaxes c, d:
     tokens (a, b, c, d), parents (-1, -1, 0, 1)."""
@@ -100,7 +100,8 @@ def grow_chains(ctx, history: List[int], root_logits: np.ndarray, width: int, de
         conf.append(c)
     frontier = list(range(len(tokens)))  # each chain's last node
     for d in range(1, depth):
-        if stop is not None and not any(stop.pays(stop.fixed_gain(conf[n]), len(tokens)) for n in frontier):
+        reach = 0 if deterministic else chain * (d + 1)  # a sampled chain node's depth floors its gain
+        if stop is not None and not any(stop.pays(stop.gain_bound(conf[n], reach), len(tokens)) for n in frontier):
             break
         if not frontier:
             break
@@ -155,6 +156,19 @@ def kstep_runs(mode: str, backend) -> bool:
     if backend.kind != "onnx" or mode == "off":
         return False
     return mode == "on" or any(p != "CPUExecutionProvider" for p in backend.providers)
+
+
+def kstep_memory(bundle, entry, backend: str) -> int:
+    """Bytes a drafter entry's K-step graph holds on `backend`: ONNX Runtime loads it as a session of its own, so
+    its weights are resident again beside the step graph's: its files and the step graph's data files it shares
+    by reference (export/onnx/graph.py share_initializers), as they weigh on disk. 0: no K-step graph here. The zoo
+    draft model (fp32): 1.8 + 3.7 MB of its own + 5.4 MB shared; opening it added 20 MiB of resident memory."""
+    files = entry.backends.get("onnx") if backend == "onnx" else None
+    rel = files.params.get("kstep_graph") if files is not None else None
+    if not rel:
+        return 0
+    mine = [f for f in files.files if f.startswith(rel) or f.endswith(".data")]
+    return sum(bundle.files[f].size for f in mine if f in bundle.files)
 
 
 def kstep_uniforms(ctx, steps: int) -> np.ndarray:

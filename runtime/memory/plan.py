@@ -157,6 +157,7 @@ class PlanInputs:
     drafter_precision: Optional[str] = None  # every drafter weight, where it differs (a numpy draft: fp32)
     kv_bytes: int = 2  # bytes per K/V element
     drafter_extra_bytes: int = 0  # weights a drafter holds beyond its dims (e.g. an MTP module, measured)
+    drafter_kstep_bytes: int = 0  # its K-step graph's own session (DrafterMemory.kstep_bytes), when it runs one
     tree_tokens: int = 5  # tokens in the largest verify forward (draft depth x branching + the root)
     prefill_tokens: Optional[int] = None  # tokens per target prefill forward (memory.prefill_chunk); None = one forward
     drafter_prefill_tokens: Optional[int] = None  # tokens per forward of the drafter's own catch-up; None = one
@@ -181,6 +182,10 @@ class DrafterMemory:
     # its own forward over a new prompt runs in the engine's prefill chunks (Drafter.prefill_chunk: the draft model,
     # EAGLE); False: in one forward (DFlash runs its context rows with its first block)
     prefill_chunked: bool = False
+    # A K-step graph (a chain in one ONNX Runtime run) is a second session beside the step graph's, holding its
+    # weights again: its files' bytes (shared.kstep_memory), counted when `kstep_mode` runs it on the backend
+    kstep_bytes: int = 0
+    kstep_mode: str = "off"
 
 
 NO_DRAFTER = DrafterMemory()
@@ -274,6 +279,9 @@ def plan_rows(inp: PlanInputs, context: int, budget: int) -> List[Row]:
         d_body, d_head = drafter_weight_bytes(inp)
         note = "shares the target's embedding" if inp.drafter and not inp.drafter.own_embedding else ""
         rows.append(Row("drafter weights", d_body + d_head + inp.drafter_extra_bytes, note))
+    if inp.drafter_kstep_bytes:
+        rows.append(Row("drafter K-step graph", inp.drafter_kstep_bytes,
+                        "a second ONNX Runtime session holding the drafter's weights again (its files)"))
     positions = context + DRAFT_SLACK
     rows.append(Row("target KV", kv_bytes_per_position(shapes, inp.kv_bytes) * positions,
                     f"{positions} positions x {kv_bytes_per_position(shapes, inp.kv_bytes)} B"))
@@ -418,7 +426,8 @@ def levers(inp: PlanInputs, budget: int, context: int) -> List[Dict]:
     if rank[inp.head_precision] < rank["int8"]:
         options.append(("int8 embedding and LM heads", replace(inp, head_precision="int8", target_file_bytes=None)))
     if inp.drafter is not None or inp.drafter_extra_bytes:
-        options.append(("no drafter (plain decoding)", replace(inp, drafter=None, drafter_extra_bytes=0)))
+        options.append(("no drafter (plain decoding)", replace(inp, drafter=None, drafter_extra_bytes=0,
+                                                                drafter_kstep_bytes=0)))
     d = inp.drafter
     if d is not None and (d.head_rows if d.head_rows is not None else d.vocab) > EAGLE3_DRAFT_VOCAB:
         options.append((f"a {EAGLE3_DRAFT_VOCAB // 1000}k draft vocabulary",

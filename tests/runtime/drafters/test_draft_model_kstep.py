@@ -111,6 +111,47 @@ def test_kstep_draws_follow_the_q_it_returns_and_process_logits_distribution(dra
     assert chi_square_gof(counts, want).p_value > ALPHA
 
 
+def test_each_kstep_token_is_the_inverse_cdf_draw_of_the_q_it_returns_at_the_finest_mass(draft):
+    """The graph draws as runtime.sampling.sample draws from the q it returns (float64 mass): a uniform aimed at the
+    middle of each of the least probable tokens' CDF intervals draws that token. A float32 draw (uniform or
+    cumulative mass) misses them: their mass is below float32's resolution at that point of the CDF."""
+    from runtime.sampling import SamplingParams, sample
+
+    drafter, context = draft
+    params = SamplingParams(temperature=0.3)  # the random draft's logits then leave ~50 ids below float32's step
+    _, q = _draw_chains(drafter, context, params, 1, seed=5)
+    p = q[0].astype(np.float64)
+    cdf, total = np.cumsum(p), p.sum()
+    late = np.flatnonzero((cdf > 0.5 * total) & (p > 0))  # where float32's step is 2**-24 of the total
+    aimed = late[np.argsort(p[late])[:12]]
+    assert p[aimed[0]] / total < 2.0 ** -25  # the finest masses here are below float32's step (else no test)
+    for i in aimed:
+        u = (cdf[i] - 0.5 * p[i]) / total
+        want = sample(p, _Fixed(u))
+        assert want == i
+        tokens, _ = _draw_chains_with(drafter, context, params, np.full(drafter.kstep.steps, u))
+        assert tokens[0] == want
+
+
+class _Fixed:
+    """A generator whose every draw is u."""
+
+    def __init__(self, u):
+        self.u = u
+
+    def random(self, *shape):
+        return self.u if not shape else np.full(shape, self.u)
+
+
+def _draw_chains_with(drafter, context, params, uniforms):
+    """One K-step run from the cache after context[:-2] with the given uniforms -> (tokens, q)."""
+    model, ks = drafter.model, drafter.kstep
+    model.reset()
+    model.forward(np.asarray(context[:-2]), np.arange(len(context) - 2))
+    tokens, q, _ = ks.run(context[-2:], np.arange(model.cache_len, len(context)), params, context, uniforms)
+    return tokens, q
+
+
 @pytest.mark.parametrize("wrong", [dict(temperature=1.6), dict(top_p=0.5)])
 def test_kstep_power_control_a_wrong_temperature_or_top_p_fed_to_the_graph_fails(draft, wrong):
     """The same test must reject draws made under a processing other than the request's."""
@@ -235,10 +276,16 @@ def _restamp(root: str, rel: str) -> None:
         yaml.safe_dump(m, f, sort_keys=False)
 
 
-def _adaptive_pair(kstep_bundle, tmp_path):
+# A template's reach by depth (NodeRule.reach): it floors a SAMPLED node's gain, here above the 0.3-token margin at
+# depths 1 and 2 only, so a sampled chain whose path confidence has fallen below 0.5 still earns those two nodes
+# (the step-wise level check once ignored the floor and stopped after one).
+REACH = (0.4, 0.4, 0.0, 0.0)
+
+
+def _adaptive_pair(kstep_bundle, tmp_path, reach=()):
     """Two adaptive sessions on the bundle, the K-step path on and off, and the path's per-node rule made to bite: a
     calibration that believes nodes below path confidence 0.5 are never accepted, valued at a rate where a node must
-    earn 0.3 tokens (the step-wise chain then stops at the first unsure node)."""
+    earn 0.3 tokens (the step-wise chain then stops at the first unsure node), with the template's `reach`."""
     from runtime.speculation import Calibration, CostModel, NodeRule
 
     sessions = []
@@ -249,18 +296,21 @@ def _adaptive_pair(kstep_bundle, tmp_path):
         sessions.append(Session.open(root, drafter="draft_model", backend="onnx", max_context=256, shape="adaptive"))
     cal = Calibration(prior_weight=0.0)
     cal.observe([0.05, 0.25, 0.45, 0.55, 0.75, 0.97], [False, False, False, True, True, True])
-    rule = NodeRule(CostModel(((1, 1.0), (2, 1.2))), cal, rate=1.5)  # margin 1.5 x 0.2 = 0.3 tokens a node
+    rule = NodeRule(CostModel(((1, 1.0), (2, 1.2))), cal, rate=1.5, reach=reach)  # margin 1.5 x 0.2 = 0.3 tokens
     return sessions, rule
 
 
-@pytest.mark.parametrize("params", [dict(), dict(temperature=1.0)], ids=["greedy", "sampled"])
-def test_an_adaptive_chain_through_the_kstep_graph_is_cut_where_the_stepwise_chain_is(kstep_bundle, tmp_path, params):
+@pytest.mark.parametrize("params,reach", [(dict(), ()), (dict(temperature=1.0), ()), (dict(temperature=1.0), REACH)],
+                         ids=["greedy", "sampled", "sampled_reach"])
+def test_an_adaptive_chain_through_the_kstep_graph_is_cut_where_the_stepwise_chain_is(kstep_bundle, tmp_path, params,
+                                                                                       reach):
     """The per-node rule cuts the graph's chain after the run exactly where the step-wise path stops drafting, and the
-    tree carries the same path confidences: greedy the same tokens; sampled the same cut for the same draws."""
+    tree carries the same path confidences: greedy the same tokens; sampled the same cut for the same draws, also
+    where the template's reach keeps nodes the calibration alone would not (the step-wise level check counts it)."""
     from runtime.drafters.base import DraftContext
     from runtime.sampling import SamplingParams
 
-    (on, off), rule = _adaptive_pair(kstep_bundle, tmp_path)
+    (on, off), rule = _adaptive_pair(kstep_bundle, tmp_path, reach)
     context = on.tokenizer.encode(PROMPT)
     sp = SamplingParams(**params)
     cuts = []
@@ -318,3 +368,30 @@ def test_a_kstep_graph_without_confidences_serves_fixed_chains_and_leaves_adapti
     assert r.stats.draft_paths["kstep"] > 0 and r.stats.draft_paths["stepwise"] == 0
     r = adaptive.generate(PROMPT, GenerationParams(max_tokens=16))
     assert r.stats.draft_paths["kstep"] == 0 and r.stats.draft_paths["stepwise"] > 0
+
+
+def test_the_memory_plan_counts_a_kstep_graph_where_it_runs_as_a_second_session_of_its_files(kstep_bundle, tmp_path):
+    """ONNX Runtime holds a K-step graph's weights in its own session (the zoo draft model's added 20 MiB of
+    resident memory): a session that runs it plans its files' bytes as a row of their own; one that does not
+    (kstep off, or auto on a CPU provider) plans none; the memory CLI, planning a robot's GPU, counts auto."""
+    from runtime.drafters import registry
+    from runtime.memory import plan as memory
+    from runtime.model import bundle as bundle_mod
+
+    def kstep_row(inp):
+        rows = {r.name: r.bytes for r in memory.plan_rows(inp, 64, 2**30)}
+        return rows.get("drafter K-step graph", 0)
+
+    b = bundle_mod.load(kstep_bundle)
+    files = b.drafters["draft_model"].backends["onnx"]
+    want = sum(b.files[f].size for f in files.files if not f.endswith(".fp32.onnx") or "kstep" in f)
+    on = Session.open(kstep_bundle, drafter="draft_model", backend="onnx", max_context=128)  # the fixture's kstep on
+    assert on.drafter.kstep is not None and kstep_row(on.plan_inputs) == want > 0
+    for mode, providers, counted in (("off", None, False), ("auto", ("CPUExecutionProvider",), False),
+                                     ("auto", None, True)):
+        root = str(tmp_path / f"{mode}-{providers is None}")
+        shutil.copytree(kstep_bundle, root)
+        _set_kstep(root, mode)
+        inp = registry.plan_inputs(bundle_mod.load(root), "draft_model", "onnx", 5, providers=providers)
+        assert kstep_row(inp) == (want if counted else 0), (mode, providers)
+    assert kstep_row(registry.plan_inputs(b, "none", "onnx", 5)) == 0

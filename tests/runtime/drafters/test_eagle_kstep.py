@@ -165,14 +165,17 @@ def test_greedy_eagle_chains_through_the_kstep_path_equal_plain_decoding(kstep_b
         assert b.stats.draft_paths["kstep"] > 0 and b.stats.draft_paths["stepwise"] == 0
 
 
-@pytest.mark.parametrize("processing", ["greedy", "temperature"])
-def test_an_adaptive_eagle_chain_through_the_graph_is_cut_where_the_stepwise_chain_is(heads, processing):
+@pytest.mark.parametrize("processing,reach", [("greedy", ()), ("temperature", ()), ("temperature", (0.4, 0.4, 0.0))],
+                         ids=["greedy", "temperature", "temperature_reach"])
+def test_an_adaptive_eagle_chain_through_the_graph_is_cut_where_the_stepwise_chain_is(heads, processing, reach):
+    """As the draft model's: the same cut and confidences, also where the template's reach (depths 1-2 floored above
+    the margin) keeps sampled nodes the calibration alone would not."""
     from runtime.speculation import Calibration, CostModel, NodeRule
 
     drafter, context, feats = heads["eagle3_chain"]
     cal = Calibration(prior_weight=0.0)
     cal.observe([0.005, 0.02, 0.05, 0.15, 0.25, 0.45, 0.97], [False, False, False, True, True, True, True])
-    rule = NodeRule(CostModel(((1, 1.0), (2, 1.2))), cal, rate=1.5)  # a node must earn 0.3 tokens
+    rule = NodeRule(CostModel(((1, 1.0), (2, 1.2))), cal, rate=1.5, reach=reach)  # a node must earn 0.3 tokens
     params = SamplingParams(**PROCESSING[processing])
     cuts = []
     for seed in range(8):
