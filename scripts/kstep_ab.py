@@ -16,7 +16,6 @@ import time
 from dataclasses import replace
 
 import numpy as np
-import yaml
 
 from runtime.commands.bench import bench_prompts, with_shape
 from runtime.config import RuntimeConfig
@@ -25,17 +24,12 @@ from runtime.model.layers import causal_mask
 from runtime.sampling import SamplingParams
 from runtime.serving.session import GenerationParams, Session, prompt_format
 from runtime.text.tokenizer import Tokenizer
+from tests.support.kstep import set_kstep
 
 
 def copy_with_mode(src: str, dst: str, names, mode: str) -> str:
     shutil.copytree(src, dst)
-    path = os.path.join(dst, "bundle.yaml")
-    with open(path) as f:
-        m = yaml.safe_load(f)
-    for n in names:
-        m["drafters"][n]["params"] = {**(m["drafters"][n].get("params") or {}), "kstep": mode}
-    with open(path, "w") as f:
-        yaml.safe_dump(m, f, sort_keys=False)
+    set_kstep(dst, names, mode)
     return dst
 
 

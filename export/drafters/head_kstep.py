@@ -6,7 +6,8 @@ A step-wise chain costs one run of the head's step graph per drafted token plus 
 on a GPU each is a launch and a host round trip. This graph unrolls K steps of the same layer: step 0 runs the
 rows the head's cache lacks (feature f_t, token x_{t+1}; the last row is the root's), each later step runs the
 token just drawn on the layer's own output h of the row before, one position on, attending to the past and every
-new row. A head supplies its step (`KStepHeadGraph.step`); the loop, the export and the check are here, once.
+new row. A head supplies its step (`KStepHeadGraph.step`); the export and the check are here, once, and the loop
+(`unroll`) is export/onnx/kstep.py's, the draft model's too.
 
 Graph contract (bundle: the drafter's backends.onnx entry, params kstep_graph / kstep_steps):
   inputs   input_ids          int64   (T,)        x_{t+1} of each catch-up row
@@ -32,7 +33,7 @@ import torch
 
 from export.library_logs import quiet_library
 from export.onnx.graph import OPSET, PRECISIONS, save_program
-from export.onnx.kstep import PARAM_INPUTS, draft_step
+from export.onnx.kstep import PARAM_INPUTS, unroll
 from runtime.drafters.base import DraftContext
 from runtime.errors import ExportError
 from runtime.sampling import SamplingParams
@@ -59,25 +60,18 @@ class KStepHeadGraph(torch.nn.Module):
         p = past_key.shape[0]
         causal = torch.cat([torch.zeros(t, p), torch.triu(torch.full((t, t), float("-inf")), diagonal=1)], dim=-1)
         logits, hidden, new_k, new_v = self.step(input_ids, features, position_ids, causal, past_key, past_value)
-        h = hidden[-1:]
-        pos = position_ids[-1:]
-        tokens, qs, confs = [], [], []
-        for j in range(self.steps):
-            tok, q, conf, seen = draft_step(logits, uniforms[j:j + 1], temperature, top_k, top_p, min_p,
-                                            repetition_penalty, logit_mask, seen)
-            tokens.append(tok)
-            qs.append(q)
-            confs.append(conf)
-            if j + 1 == self.steps:
-                break
-            pos = pos + 1
-            # one new row on the layer's own output: it sees the past and every new row
-            n = new_k.shape[0]
-            logits, h, k, v = self.step(tok, h, pos, torch.zeros(1, p + n + 1), torch.cat([past_key, new_k]),
-                                        torch.cat([past_value, new_v]))
-            h = h[-1:]
-            new_k, new_v = torch.cat([new_k, k]), torch.cat([new_v, v])
-        return torch.cat(tokens), torch.stack(qs), torch.cat(confs), new_k, new_v
+        state = {"h": hidden[-1:], "k": new_k, "v": new_v}  # the last row's output and the new K/V rows so far
+
+        def advance(tok, pos):  # one new row on the layer's own output: it sees the past and every new row
+            k0, v0 = state["k"], state["v"]
+            out, h, k, v = self.step(tok, state["h"], pos, torch.zeros(1, p + k0.shape[0] + 1), torch.cat([past_key, k0]),
+                                     torch.cat([past_value, v0]))
+            state.update(h=h[-1:], k=torch.cat([k0, k]), v=torch.cat([v0, v]))
+            return out
+
+        processing = (temperature, top_k, top_p, min_p, repetition_penalty, logit_mask)
+        chain = unroll(logits, position_ids[-1:], self.steps, uniforms, processing, seen, advance)
+        return (*chain, state["k"], state["v"])
 
 
 def export_kstep(module: KStepHeadGraph, out_path: str, hidden: int, kv_shape, precision: str = "fp32") -> str:

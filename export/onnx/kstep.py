@@ -188,6 +188,24 @@ def draft_step(logits, u, temperature, top_k, top_p, min_p, repetition_penalty, 
     return tok, q, confidence(x, q, tok, temperature), seen | (torch.arange(seen.shape[0]) == tok)
 
 
+def unroll(logits, pos, steps: int, uniforms, processing, seen, advance):
+    """The K drafted tokens of a K-step graph: `draft_step` on (V,) `logits` with uniform j, then, but after the
+    last, `advance(token (1,), its position (1,))` -> the next logits (the drafter runs the token one position on
+    from `pos`, the root's). `processing`: (temperature, top_k, top_p, min_p, repetition_penalty, logit_mask).
+    -> tokens (K,), q (K, V), confidence (K,). The draft model's and the heads' graphs unroll this loop."""
+    tokens, qs, confs = [], [], []
+    for j in range(steps):
+        tok, q, conf, seen = draft_step(logits, uniforms[j:j + 1], *processing, seen)
+        tokens.append(tok)
+        qs.append(q)
+        confs.append(conf)
+        if j + 1 == steps:
+            break
+        pos = pos + 1
+        logits = advance(tok, pos)
+    return torch.cat(tokens), torch.stack(qs), torch.cat(confs)
+
+
 class KStepDraftGraph(torch.nn.Module):
     """K steps of a draft model with processing and sampling between them (see the module docstring)."""
 
@@ -239,20 +257,13 @@ class KStepDraftGraph(torch.nn.Module):
         t = input_ids.shape[0]
         causal = torch.triu(torch.full((t, t), float("-inf")), diagonal=1)  # (T, T)
         logits = self._step(input_ids, position_ids, past_keys, past_values, chain_k, chain_v, causal)
-        tokens, qs, confs = [], [], []
-        pos = position_ids[-1:]
-        for j in range(self.steps):
-            tok, q, conf, seen = draft_step(logits, uniforms[j:j + 1], temperature, top_k, top_p, min_p,
-                                            repetition_penalty, logit_mask, seen)
-            tokens.append(tok)
-            qs.append(q)
-            confs.append(conf)
-            if j + 1 == self.steps:
-                break
-            pos = pos + 1
-            # one new row: it sees the past and every new row (no causal mask needed)
-            logits = self._step(tok, pos, past_keys, past_values, chain_k, chain_v, torch.zeros(1, chain_k[0].shape[0] + 1))
-        return (torch.cat(tokens), torch.stack(qs), torch.cat(confs), *chain_k, *chain_v)
+
+        def advance(tok, pos):  # one new row: it sees the past and every new row (no causal mask needed)
+            return self._step(tok, pos, past_keys, past_values, chain_k, chain_v, torch.zeros(1, chain_k[0].shape[0] + 1))
+
+        processing = (temperature, top_k, top_p, min_p, repetition_penalty, logit_mask)
+        chain = unroll(logits, position_ids[-1:], self.steps, uniforms, processing, seen, advance)
+        return (*chain, *chain_k, *chain_v)
 
 
 def export_kstep_onnx(spec: ModelSpec, weights: Mapping[str, np.ndarray], out_path: str, steps: int,
