@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from export.library_logs import quiet_library
-from export.onnx.graph import OPSET, PRECISIONS, save_program
+from export.onnx.graph import OPSET, PRECISIONS, graph_weight_bytes, save_program
 from export.onnx.kstep import PARAM_INPUTS, unroll
 from runtime.drafters.base import DraftContext
 from runtime.errors import ExportError
@@ -136,5 +136,6 @@ def check(label: str, err: float, tolerance: float) -> None:
                           " the bundle was left unchanged (`--no-validate` writes the graphs anyway)")
 
 
-def kstep_params(steps: int, rel: str) -> dict:
-    return {"kstep_graph": rel, "kstep_steps": int(steps)}
+def kstep_params(steps: int, rel: str, staged: str) -> dict:
+    """The onnx entry's record of the K-step graph at bundle path `rel` (written, its data shared, at `staged`)."""
+    return {"kstep_graph": rel, "kstep_steps": int(steps), "kstep_weight_bytes": graph_weight_bytes(staged)}

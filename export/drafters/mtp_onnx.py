@@ -157,7 +157,7 @@ def export_bundle_mtp(bundle, name: str, entry, target_weights: Mapping[str, np.
         share_initializers(kstaged, os.path.join(staging, os.path.basename(files[0])))  # the module, stored once
         share_initializers(kstaged, target_graph)
         files += [krel, krel + ".data"]
-        params.update(head_kstep.kstep_params(steps, krel))
+        params.update(head_kstep.kstep_params(steps, krel, kstaged))
     return MTPGraphs(name, files, params)
 
 

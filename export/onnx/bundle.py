@@ -12,8 +12,8 @@ from dataclasses import replace
 from typing import Collection, Mapping, Optional, Sequence, Tuple
 
 from export.drafters import registry
-from export.onnx.graph import (KV_LAYOUTS, check_against_reference, export_decoder_onnx, safetensors_weights,
-                               share_initializers, validate_onnx)
+from export.onnx.graph import (KV_LAYOUTS, check_against_reference, export_decoder_onnx, graph_weight_bytes,
+                               safetensors_weights, share_initializers, validate_onnx)
 from export.onnx.kstep import export_and_check_kstep, kstep_rel
 from export.onnx.fused import export_fused_onnx
 from export.onnx.quantize import ACCURACY_LEVEL, BITS, quantize_graph
@@ -136,7 +136,8 @@ def add_onnx_to_bundle(bundle_dir: str, precision: str = "fp32", taps: Optional[
         if label in ksteps:  # the K-step graph rides in the draft model's onnx entry
             krel, steps = ksteps[label]
             files += [krel, krel + ".data"]
-            params.update(kstep_graph=krel, kstep_steps=steps)
+            params.update(kstep_graph=krel, kstep_steps=steps,
+                          kstep_weight_bytes=graph_weight_bytes(os.path.join(bundle_dir, krel)))
         if label == "target":
             writer.add_target_backend(onnx_entry_key(precision), files, params)
         else:

@@ -281,6 +281,26 @@ def export_draft_model_onnx(spec: ModelSpec, weights: Mapping[str, np.ndarray], 
     return export_decoder_onnx(spec, weights, out_path, (), precision, attention)
 
 
+def graph_weight_bytes(graph_path: str) -> int:
+    """Bytes of every weight a graph holds once ONNX Runtime loads it: its inline initializers and constants, and
+    the length of each external one wherever it lies (its own data file or one it shares: `share_initializers`).
+    A session of its own loads all of them again, so this is what the memory plan counts for a second session
+    (runtime/drafters/shared.py kstep_memory)."""
+    model = onnx.load(graph_path, load_external_data=False)
+    folder = os.path.dirname(os.path.abspath(graph_path))
+    total = 0
+    tensors = list(model.graph.initializer)
+    tensors += [a.t for node in model.graph.node if node.op_type == "Constant" for a in node.attribute if a.type == a.TENSOR]
+    for t in tensors:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in t.external_data}
+            total += int(info["length"]) if "length" in info else os.path.getsize(os.path.join(folder, info["location"]))
+        else:
+            total += len(t.raw_data) or int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(
+                t.data_type).itemsize
+    return total
+
+
 def share_initializers(graph_path: str, source_path: str, min_bytes: int = 4096) -> int:
     """Point every weight of `graph_path` that is byte-identical to an external weight of `source_path`
     (e.g. a drafter's copy of the target's embedding / LM head) at the source's data file, at the same

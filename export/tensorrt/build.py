@@ -101,8 +101,9 @@ def context_rows(bundle, max_context: Optional[int], budget: Optional[int], veri
         max_context = 2048  # memory.max_context's default
     if budget is not None:
         # The engines keep the ONNX graph's precision; the process carries a CUDA context and TensorRT's runtime.
+        # (TensorRT engines never run a drafter's K-step ONNX graph: no such row)
         inputs = replace(registry.plan_inputs(bundle, bundle.default_drafter, "onnx", verify_tokens),
-                         overhead_bytes=memory.RUNTIME_OVERHEAD["tensorrt"])
+                         overhead_bytes=memory.RUNTIME_OVERHEAD["tensorrt"], drafter_kstep_bytes=0)
         fit = memory.max_context(inputs, budget)
         if fit < memory.MIN_CONTEXT:
             raise BundleError(memory.over_budget(inputs, budget, memory.MIN_CONTEXT, "this bundle"))

@@ -159,16 +159,20 @@ def kstep_runs(mode: str, backend) -> bool:
 
 
 def kstep_memory(bundle, entry, backend: str) -> int:
-    """Bytes a drafter entry's K-step graph holds on `backend`: ONNX Runtime loads it as a session of its own, so
-    its weights are resident again beside the step graph's: its files and the step graph's data files it shares
-    by reference (export/onnx/graph.py share_initializers), as they weigh on disk. 0: no K-step graph here. The zoo
-    draft model (fp32): 1.8 + 3.7 MB of its own + 5.4 MB shared; opening it added 20 MiB of resident memory."""
+    """Bytes of the weights a drafter entry's K-step graph holds on `backend`: ONNX Runtime loads it as a session of
+    its own, so every weight it references is resident again, also those it shares on disk with the step graph
+    and the target (export/onnx/graph.py share_initializers): the export records them (params
+    kstep_weight_bytes, export/onnx/graph.py graph_weight_bytes); an entry exported before, the K-step graph's own
+    files. 0: no K-step graph here. A lower bound of the session: the zoo's added 20-23 MiB resident for 5.8-10.0
+    MiB of weights (BENCHMARKS run K2; ORT's per-session structures are the rest, which `memory profile --save`
+    folds into the entry's overhead)."""
     files = entry.backends.get("onnx") if backend == "onnx" else None
     rel = files.params.get("kstep_graph") if files is not None else None
     if not rel:
         return 0
-    mine = [f for f in files.files if f.startswith(rel) or f.endswith(".data")]
-    return sum(bundle.files[f].size for f in mine if f in bundle.files)
+    if "kstep_weight_bytes" in files.params:
+        return int(files.params["kstep_weight_bytes"])
+    return sum(bundle.files[f].size for f in files.files if f.startswith(rel) and f in bundle.files)
 
 
 def kstep_uniforms(ctx, steps: int) -> np.ndarray:

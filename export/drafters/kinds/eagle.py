@@ -37,7 +37,7 @@ def _graphs(job: GraphJob):
             share_initializers(kstaged, staged)  # the head's layer, stored once
             share_initializers(kstaged, job.target_graph)
             files += [krel, krel + ".data"]
-            params.update(head_kstep.kstep_params(steps, krel))
+            params.update(head_kstep.kstep_params(steps, krel, kstaged))
         out += [(user, files, params) for user in users]
     return out
 

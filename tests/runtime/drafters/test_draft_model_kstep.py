@@ -6,13 +6,14 @@ and says so in the stats; a grammar request falls back to the step-wise path, vi
 chain it drafts is cut by the same per-node rule, from the same confidences, as the step-wise chain."""
 import os
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from runtime.certify.stat_tests import chi_square_gof
 from runtime.serving.session import GenerationParams, Session
-from tests.support.kstep import set_kstep
+from tests.support.kstep import kstep_row, loaded_weight_bytes, set_kstep
 
 pytest.importorskip("onnxruntime", reason="the onnx extra (onnxruntime) is not installed")
 
@@ -313,15 +314,16 @@ def test_an_adaptive_chain_through_the_kstep_graph_is_cut_where_the_stepwise_cha
     (on, off), rule = _adaptive_pair(kstep_bundle, tmp_path, reach)
     context = on.tokenizer.encode(PROMPT)
     sp = SamplingParams(**params)
-    cuts = []
+    cuts, unfloored = [], []
     for seed in range(6):
         trees = []
-        for s in (on, off):
+        for s, r in ((on, rule), (off, rule), (off, replace(rule, reach=()))):
             s.drafter.reset()
-            ctx = DraftContext(context, sp, np.random.default_rng(seed), 4, None, rule, True)
+            ctx = DraftContext(context, sp, np.random.default_rng(seed), 4, None, r, True)
             trees.append(s.drafter.propose(ctx))
             s.drafter.accept([], [context[-1]], {})
-        a, b = trees
+        a, b, c = trees
+        unfloored.append(len(c))
         assert on.drafter.draft_paths["kstep"] == seed + 1 and off.drafter.draft_paths["kstep"] == 0
         np.testing.assert_allclose(a.confidence, b.confidence, rtol=1e-4)
         np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -329,6 +331,8 @@ def test_an_adaptive_chain_through_the_kstep_graph_is_cut_where_the_stepwise_cha
             np.testing.assert_allclose(a.q, b.q, atol=1e-5)
         cuts.append(len(a))
     assert min(cuts) < 4, "the rule never cut the chain: the comparison says nothing about the cut"
+    if reach:
+        assert cuts != unfloored, "the reach kept no node the calibration alone cut: the case says nothing of it"
 
 
 def test_an_adaptive_session_on_the_kstep_path_records_its_calibration_and_stops_unpaying_drafts(kstep_bundle, tmp_path):
@@ -370,21 +374,16 @@ def test_a_kstep_graph_without_confidences_serves_fixed_chains_and_leaves_adapti
     assert r.stats.draft_paths["kstep"] == 0 and r.stats.draft_paths["stepwise"] > 0
 
 
-def test_the_memory_plan_counts_a_kstep_graph_where_it_runs_as_a_second_session_of_its_files(kstep_bundle, tmp_path):
+def test_the_memory_plan_counts_a_kstep_graph_where_it_runs_as_a_second_session_of_its_weights(kstep_bundle, tmp_path):
     """ONNX Runtime holds a K-step graph's weights in its own session (the zoo draft model's added 20 MiB of
-    resident memory): a session that runs it plans its files' bytes as a row of their own; one that does not
-    (kstep off, or auto on a CPU provider) plans none; the memory CLI, planning a robot's GPU, counts auto."""
+    resident memory): a session that runs it plans every weight the graph references (also those stored in the
+    step graph's data file) as a row of its own; one that does not (kstep off, or auto on a CPU provider) plans
+    none; the memory CLI, planning a robot's GPU, counts auto."""
     from runtime.drafters import registry
-    from runtime.memory import plan as memory
     from runtime.model import bundle as bundle_mod
 
-    def kstep_row(inp):
-        rows = {r.name: r.bytes for r in memory.plan_rows(inp, 64, 2**30)}
-        return rows.get("drafter K-step graph", 0)
-
     b = bundle_mod.load(kstep_bundle)
-    files = b.drafters["draft_model"].backends["onnx"]
-    want = sum(b.files[f].size for f in files.files if not f.endswith(".fp32.onnx") or "kstep" in f)
+    want = loaded_weight_bytes(b.path(b.drafters["draft_model"].backends["onnx"].params["kstep_graph"]))
     on = Session.open(kstep_bundle, drafter="draft_model", backend="onnx", max_context=128)  # the fixture's kstep on
     assert on.drafter.kstep is not None and kstep_row(on.plan_inputs) == want > 0
     for mode, providers, counted in (("off", None, False), ("auto", ("CPUExecutionProvider",), False),

@@ -7,6 +7,7 @@ wrong temperature fed to it is caught (power control); greedy sessions through i
 adaptive shape cuts its chain where the step-wise chain is cut. Random official-layout heads on the tiny bundle."""
 import os
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from runtime.sampling import SamplingParams
 from runtime.serving.session import GenerationParams, Session
 from export.drafters.head_kstep import Replay
 from tests.support.eagle_tiny import eagle1_checkpoint, eagle3_checkpoint
-from tests.support.kstep import set_kstep
+from tests.support.kstep import kstep_row, loaded_weight_bytes, set_kstep
 
 pytest.importorskip("onnxruntime", reason="the onnx extra (onnxruntime) is not installed")
 
@@ -177,7 +178,7 @@ def test_an_adaptive_eagle_chain_through_the_graph_is_cut_where_the_stepwise_cha
     cal.observe([0.005, 0.02, 0.05, 0.15, 0.25, 0.45, 0.97], [False, False, False, True, True, True, True])
     rule = NodeRule(CostModel(((1, 1.0), (2, 1.2))), cal, rate=1.5, reach=reach)  # a node must earn 0.3 tokens
     params = SamplingParams(**PROCESSING[processing])
-    cuts = []
+    cuts, unfloored = [], []
     for seed in range(8):
         u = np.random.default_rng(seed).random(drafter.kstep.steps)
         a = _kstep(drafter, context, feats, params, u, rule)
@@ -185,7 +186,10 @@ def test_an_adaptive_eagle_chain_through_the_graph_is_cut_where_the_stepwise_cha
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_allclose(a.confidence, b.confidence, rtol=1e-4, atol=1e-6)
         cuts.append(len(a))
+        unfloored.append(len(_kstep(drafter, context, feats, params, u, replace(rule, reach=()))))
     assert min(cuts) < drafter.k, "the rule never cut the chain: the comparison says nothing about the cut"
+    if reach:
+        assert cuts != unfloored, "the reach kept no node the calibration alone cut: the case says nothing of it"
 
 
 def test_a_grammar_request_and_a_tree_take_the_stepwise_path(kstep_bundle):
@@ -193,3 +197,28 @@ def test_a_grammar_request_and_a_tree_take_the_stepwise_path(kstep_bundle):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     r = s.generate(PROMPT, GenerationParams(max_tokens=12), json_schema=schema)
     assert r.stats.draft_paths["kstep"] == 0 and r.stats.draft_paths["stepwise"] > 0
+
+
+def test_the_memory_plan_counts_a_chain_heads_kstep_graph_with_the_target_weights_it_shares_and_none_for_a_tree(
+        kstep_bundle):
+    """A chain's K-step graph is planned at every weight it references, the target's embedding / head stored in
+    the target's data file among them; a dynamic tree never opens one, so its entry plans none."""
+    from runtime.drafters import registry
+    from runtime.model import bundle as bundle_io
+
+    b = bundle_io.load(kstep_bundle)
+    for name in CHAINS:
+        rel = b.drafters[name].backends["onnx"].params["kstep_graph"]
+        want = loaded_weight_bytes(b.path(rel))
+        assert _data_files(b.path(rel)) - {os.path.basename(rel) + ".data"}  # weights of other graphs' files too
+        s = Session.open(kstep_bundle, drafter=name, backend="onnx", max_context=128)
+        assert s.drafter.kstep is not None and kstep_row(s.plan_inputs) == want > 0, name
+    assert kstep_row(registry.plan_inputs(b, "eagle3", "onnx", 5, providers=None)) == 0
+
+
+def _data_files(graph_path: str) -> set:
+    """The data files an ONNX graph's external weights lie in."""
+    import onnx
+
+    model = onnx.load(graph_path, load_external_data=False)
+    return {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}
