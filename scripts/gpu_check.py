@@ -3,7 +3,9 @@ edgespec's GPU paths and print one summary table.
 
   ONNX Runtime, CUDA execution provider (always, once onnxruntime-gpu imports):
     equivalence of the fp16 graphs against the numpy reference (prefill, decode, a tree verify, keep),
-    greedy identity and speed (`edgespec bench`), a short `edgespec certify`;
+    greedy identity and speed (`edgespec bench`: the draft model, EAGLE-3 chain and MTP module through their K-step
+    graphs, the fused draft loop, with the runs per path), a short `edgespec certify` (the draft model at T = 1:
+    its K-step graph's in-graph sampling against the target's law);
   TensorRT (when its bindings and cuda-python import): engines built (`edgespec export --to tensorrt`), the same
     equivalence (eager and with CUDA graphs), bench and certify, bench again with CUDA graphs, and the forward cost
     by new tokens x context (`python -m runtime.commands.bench_backend`);
@@ -166,7 +168,9 @@ def equivalence(bundle: str, backend: str, config: str) -> Tuple[bool, str]:
 def bench_summary(output: str) -> Tuple[bool, str]:
     rows = json.loads(output[output.index("["):output.rindex("]") + 1])
     ident = all(r.get("identical_to_plain") is not False for r in rows)
-    parts = [f"{r['label']} {r['tokens_per_s']:.0f} tok/s {r['speedup']:.2f}x tau {r['tau']:.2f}" for r in rows]
+    parts = [f"{r['label']} {r['tokens_per_s']:.0f} tok/s {r['speedup']:.2f}x tau {r['tau']:.2f}"
+             + (f" (K-step runs {r['draft_paths'].get('kstep', 0)}, step-wise {r['draft_paths'].get('stepwise', 0)})"
+                if r.get("draft_paths") else "") for r in rows]
     return ident, ("greedy identical; " if ident else "greedy NOT identical; ") + ", ".join(parts)
 
 
@@ -210,15 +214,17 @@ def main(argv: Optional[List[str]] = None) -> int:
 def commands(bundle: str) -> List[List[str]]:
     """The edgespec command lines the check runs, in order (listed by --dry-run; a test parses each)."""
     jetson, trt = "configs/runtime_jetson.yaml", "configs/runtime_tensorrt.yaml"
-    bench = ["--drafters", "none,draft_model", "--max-tokens", "32", "--rounds", "2", "--domains", "planner,text",
-             "--json"]
+    bench = ["--max-tokens", "32", "--rounds", "2", "--domains", "planner,text", "--json"]
     certify = ["--drafter", "draft_model", "--temperature", "1.0", "--draws", "3000", "--trees", "none"]
     train = os.path.join(os.path.dirname(bundle), "train")
     return [["export", "--to", "onnx", "--bundle", bundle, "--precision", "fp16"],
-            ["bench", "--config", jetson, "--bundle", bundle, *bench],
+            # on the CUDA EP the draft model, the EAGLE-3 chain and the MTP module draft through their K-step graphs
+            # (the fp16 export writes them; params.kstep auto takes them on a GPU provider): greedy identity and the
+            # runs per path say so
+            ["bench", "--config", jetson, "--bundle", bundle, "--drafters", "none,draft_model,eagle3_chain,mtp", *bench],
             ["certify", "--config", jetson, "--bundle", bundle, *certify],
             ["export", "--to", "tensorrt", "--bundle", bundle, "--max-context", "960", "--verify-tokens", "16"],
-            ["bench", "--config", trt, "--bundle", bundle, "--max-context", "960", *bench],
+            ["bench", "--config", trt, "--bundle", bundle, "--max-context", "960", "--drafters", "none,draft_model", *bench],
             ["certify", "--config", trt, "--bundle", bundle, "--max-context", "960", *certify],
             # the drafter trainer's CUDA path (bf16 target, autocast, feature cache, held-out curve): ~1 min
             ["train-drafter", "eagle3", "--target", "zoo/target", "--out", f"{train}/eagle3", "--work", f"{train}/work",
