@@ -8,6 +8,11 @@ import os
 import sys
 import tempfile
 
+# `zoo standin --robot`: a robot model's proportions (BENCHMARKS.md, "The robot-proportioned stand-in"). The SwiGLU
+# width is not the vocabulary size (3072): onnxruntime-genai's builder takes every Linear with vocab_size outputs
+# for the LM head (builders/base.py has_lm_head), so a 3072-wide MLP made its peer model's logits garbage.
+ROBOT = {"depth": 24, "hidden": 512, "intermediate": 3200, "kv_heads": 8, "draft_hidden": 384, "draft_intermediate": 3328}
+
 
 def _build(args) -> int:
     from export.zoo.train import DEFAULT_OUT, build
@@ -50,10 +55,10 @@ def _standin(args) -> int:
 
         check_output(args.bundle, [zoo, args.out], args.force, flag="--bundle")
     if args.robot:  # a robot model's proportions (BENCHMARKS.md, "The stand-in"): deep, ~0.5 GB fp32, a 7 % draft
-        args.depth = args.depth or 24
-        args.hidden, args.intermediate, args.kv_heads = 512, 3072, 8
-        args.draft_hidden = args.draft_hidden or 384
-        args.draft_intermediate = args.draft_intermediate or 3328
+        args.depth = args.depth or ROBOT["depth"]
+        args.hidden, args.intermediate, args.kv_heads = ROBOT["hidden"], ROBOT["intermediate"], ROBOT["kv_heads"]
+        args.draft_hidden = args.draft_hidden or ROBOT["draft_hidden"]
+        args.draft_intermediate = args.draft_intermediate or ROBOT["draft_intermediate"]
     params = write_standin(os.path.join(zoo, "target"), args.out, args.hidden, args.intermediate, args.kv_heads,
                            args.depth)
     print(f"standin: {args.out}: {params / 1e6:.1f} M params ({4 * params / 1e6:.0f} MB fp32), "
@@ -148,8 +153,8 @@ def register(sub) -> None:
     s.add_argument("--draft-intermediate", type=int, default=None, help="... and this SwiGLU size (default 4 x hidden)")
     s.add_argument("--draft-kv-heads", type=int, default=6, help="... and these KV heads (default 6)")
     s.add_argument("--robot", action="store_true",
-                   help="a robot model's proportions: depth 24, hidden 512, SwiGLU 3072, 8 KV heads (~134 M params, "
-                        "0.54 GB fp32) and the draft model padded to hidden 384 / SwiGLU 3328 (~7 %% of the target)")
+                   help="a robot model's proportions: depth 24, hidden 512, SwiGLU 3200, 8 KV heads (~138 M params, "
+                        "0.55 GB fp32) and the draft model padded to hidden 384 / SwiGLU 3328 (~7 %% of the target)")
     s.add_argument("--bundle", default=None, help="also build a bundle here from --out and the zoo draft")
     s.add_argument("--no-onnx", action="store_true", help="with --bundle: numpy_ref only, no ONNX graphs")
     s.add_argument("--force", action="store_true", help="replace the edgespec bundle already at --bundle")

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 from export.bundle.hf_reader import read_hf_checkpoint
 from export.drafters.dflash import default_target_layer_ids
 from export.drafters.eagle import default_tap_layers
+from export.zoo.cli import ROBOT
 from export.zoo.standin import layer_map, remap_taps, write_standin
 from runtime.backends.numpy_ref import NumpyTarget, cache_shape
 from runtime.errors import ConfigError
@@ -84,9 +85,12 @@ def test_the_robot_preset_has_a_robot_models_proportions():
     def params(hidden, inter, kv, layers, vocab, d=32):
         return layers * (2 * hidden * hidden + 2 * kv * d * hidden + 3 * hidden * inter) + vocab * hidden
 
-    target = params(512, 3072, 8, 24, zoo["vocab_size"])
-    d = params(384, 3328, 6, draft["num_hidden_layers"], draft["vocab_size"])
+    r = ROBOT
+    target = params(r["hidden"], r["intermediate"], r["kv_heads"], r["depth"], zoo["vocab_size"])
+    d = params(r["draft_hidden"], r["draft_intermediate"], 6, draft["num_hidden_layers"], draft["vocab_size"])
     assert 400e6 <= 4 * target <= 600e6  # the fp32 target streams 0.4-0.6 GB per step
     assert 0.06 <= d / target <= 0.09  # the draft model at a 0.6 B : 8 B share
-    head = 2 * 512 * 512 + 2 * 8 * 32 * 512 + 3 * 512 * 3072  # one decoder layer: a head's natural share
-    assert head / (target - zoo["vocab_size"] * 512) == pytest.approx(1 / 24)
+    head = target / r["depth"] - zoo["vocab_size"] * r["hidden"] / r["depth"]  # one decoder layer: a head's share
+    assert head == 2 * 512 * 512 + 2 * 8 * 32 * 512 + 3 * 512 * r["intermediate"]
+    # no MLP as wide as the vocabulary: onnxruntime-genai's builder would take it for the LM head (its peer rows)
+    assert zoo["vocab_size"] not in (r["intermediate"], r["draft_intermediate"])
