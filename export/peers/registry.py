@@ -76,9 +76,33 @@ class HFPeer(Peer):
         return cut_at_eos(out[0, ids.shape[1]:].tolist(), self.eos), {}
 
 
+def builder_misreads(config: dict) -> str:
+    """Why onnxruntime-genai's builder would convert this HF config wrongly, or "". Its module walk takes EVERY
+    Linear with vocab_size outputs for the LM head (builders/base.py `has_lm_head`), so an MLP exactly as wide as the
+    vocabulary wires the logits to a layer's norm: a peer that answers, wrongly (seen on a 3072-wide stand-in).
+
+    >>> builder_misreads({"vocab_size": 3072, "intermediate_size": 3200})
+    ''
+    >>> builder_misreads({"vocab_size": 3072, "intermediate_size": 3072})[:40]
+    'intermediate_size 3072 = vocab_size: onn'"""
+    vocab, inter = config.get("vocab_size"), config.get("intermediate_size")
+    if vocab is not None and inter == vocab:
+        return (f"intermediate_size {inter} = vocab_size: onnxruntime-genai's builder takes every {vocab}-output "
+                "Linear for the LM head, so its model's logits would come from a layer's MLP input; not compared")
+    return ""
+
+
 def build_ortgenai_model(hf_dir: str, cache_dir: str) -> str:
     """onnxruntime-genai's model folder for an HF checkpoint, made by its own builder (fp32, CPU) once and
-    cached under cache_dir, keyed on the checkpoint's bytes. Returns the folder."""
+    cached under cache_dir, keyed on the checkpoint's bytes. Returns the folder; PeerUnavailable for a checkpoint
+    the builder misreads (`builder_misreads`) or a failed build."""
+    try:
+        with open(os.path.join(hf_dir, "config.json")) as f:
+            why = builder_misreads(json.load(f))
+    except (OSError, ValueError) as exc:
+        raise PeerUnavailable(f"{hf_dir}/config.json: cannot be read ({exc})")
+    if why:
+        raise PeerUnavailable(f"{hf_dir}: {why}")
     h = hashlib.sha256()
     for f in sorted(os.listdir(hf_dir)):
         p = os.path.join(hf_dir, f)
@@ -127,6 +151,20 @@ def compose_ortgenai_draft(target_dir: str, draft_dir: str, cache_dir: str) -> s
     return out
 
 
+def thread_overlay(threads: int, draft: bool = False) -> dict:
+    """The genai_config overlay giving onnxruntime-genai's sessions edgespec's intra-op thread count (0: one per
+    CPU, as edgespec's onnx backend). Left to itself it took ONE thread on this 2-vCPU VM (stand-in: 36 tok/s
+    against 81 at two), which measured edgespec against half a peer.
+
+    >>> thread_overlay(2, draft=True)["model"]["draft"]["session_options"]
+    {'intra_op_num_threads': 2, 'inter_op_num_threads': 1}"""
+    opts = {"intra_op_num_threads": int(threads or os.cpu_count() or 1), "inter_op_num_threads": 1}
+    model = {"decoder": {"session_options": dict(opts)}}
+    if draft:
+        model["draft"] = {"session_options": dict(opts)}
+    return {"model": model}
+
+
 class OrtGenAIPeer(Peer):
     """onnxruntime-genai's generator, greedy, plain or with its own speculative decoding."""
 
@@ -149,7 +187,9 @@ class OrtGenAIPeer(Peer):
             self.label = f"ORT-GenAI n-gram {ORTGENAI_NGRAM_SIZE}"
         else:
             self.label = "ORT-GenAI"
-        self.model = og.Model(folder)
+        config = og.Config(folder)
+        config.overlay(json.dumps(thread_overlay(models.threads, draft=name == "ortgenai_draft")))
+        self.model = og.Model(config)
         self.eos = list(models.eos_ids)
 
     def generate(self, prompt_ids, max_tokens):

@@ -104,11 +104,19 @@ def open_peers(req: Optional[PeerRequest], eos_ids, threads: int = 0) -> Tuple[D
     return ready, unavailable
 
 
-def run_peer(peer, prompt_ids: List[int], max_tokens: int) -> PeerRun:
-    """One greedy generation by a peer, timed like edgespec's wall_s (prefill included)."""
+# After a peer's generation its library's idle threads may still spin (onnxruntime-genai's intra-op pools, which
+# spin by default): the configuration run next paid for them, 37 % slower (zoo, 2 threads, plain decoding always
+# ran right after the draft peer in the rotation: 608 tok/s against 967 in the control row). An untimed pause.
+PEER_SETTLE_S = 0.05
+
+
+def run_peer(peer, prompt_ids: List[int], max_tokens: int, settle_s: float = PEER_SETTLE_S) -> PeerRun:
+    """One greedy generation by a peer, timed like edgespec's wall_s (prefill included), then `settle_s` untimed
+    so that its threads are idle before the next configuration runs."""
     t0 = time.perf_counter()
     ids, extra = peer.generate(prompt_ids, max_tokens)
     wall = time.perf_counter() - t0
+    time.sleep(settle_s)
     wall = float(extra.get("wall_s", wall))  # a subprocess peer's own prompt + generation time (load excluded)
     stats = DecodeStats(tokens=len(ids), wall_s=wall, other_s=wall, drafter=peer.name)
     forwards = int(extra.get("target_forwards", 0))
