@@ -114,14 +114,20 @@ def test_a_goal_accepted_in_a_burst_is_served_never_aborted_for_a_full_queue(ser
     from edgespec_interfaces.srv import Plan
 
     client, _ = served  # queue_limit=1
-    sent, plans = [], []
+    # the burst starts on an idle node (an earlier test's request may still hold the one slot for a moment), and
+    # its first goal is accepted before anything else is sent: the other goals race the plans for the slot
+    wait_for_diagnostics(client_node, PATH, lambda _s, v: int(v["queue_length"]) == 0 and v["busy"] == "False")
+    first = client.generate_client.send_goal_async(Generate.Goal(prompt="navigate 0", max_tokens=4))
+    spin_all(client_node, [first])
+    sent, plans = [first], []
     for i in range(8):  # plans arriving between a goal's acceptance and its execution took its place
-        sent.append(client.generate_client.send_goal_async(Generate.Goal(prompt=f"navigate {i}", max_tokens=4)))
+        if i:
+            sent.append(client.generate_client.send_goal_async(Generate.Goal(prompt=f"navigate {i}", max_tokens=4)))
         plans += [client.plan_client.call_async(Plan.Request(instruction=f"cup {i}.{j}", max_tokens=2))
                   for j in range(3)]
     spin_all(client_node, sent + plans)
     accepted = [f.result() for f in sent if f.result().accepted]
-    assert accepted, "the first goal of the burst finds the queue free"
+    assert first.result().accepted, "the first goal, sent alone to an idle node, finds the queue free"
     results = [client.result(h)[1] for h in accepted]
     assert [(r.success, r.error_field) for r in results] == [(True, "")] * len(results), \
         [r.message for r in results]
