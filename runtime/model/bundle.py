@@ -27,6 +27,9 @@ MANIFEST = "bundle.yaml"
 # .engine: TensorRT engines; .cache: TensorRT's timing cache (kernel timings, reused by the next build on a device)
 DATA_SUFFIXES = (".safetensors", ".onnx", ".onnx.data", ".gguf", ".engine", ".cache", ".plan", ".json", ".yaml", ".txt",
                  ".jinja")
+# `edgespec tune`'s measurements of one machine (runtime/serving/tuning.py): rewritten by every tune, so never a
+# listed file (a manifest written after a tune, by an export, once listed it and the next tune "corrupted" the bundle)
+TUNE_FILE = "tune.yaml"
 EXPORTABLE = ("onnx", "tensorrt", "gguf")  # backends `edgespec export --to` writes
 # ONNX target graphs: the float graph (fp32 or fp16, one of them) is backend entry "onnx"; weight-only
 # quantised graphs sit next to it as "onnx.int8" / "onnx.int4" (`edgespec export --to onnx --precision int8`).
@@ -256,7 +259,8 @@ def load(path: str, verify_checksums: bool = True) -> Bundle:
                           f"(expected {FORMAT_VERSION}); re-export the bundle with a matching edgespec")
     _check_keys(manifest, m)
     try:
-        files = {p: FileEntry(p, e["sha256"], int(e["size"])) for p, e in (m.get("files") or {}).items()}
+        files = {p: FileEntry(p, e["sha256"], int(e["size"])) for p, e in (m.get("files") or {}).items()
+                 if p != TUNE_FILE}  # an older export listed it: the tune is checked where it is read
         t = m["target"]
         target = TargetEntry(spec=ModelSpec.from_dict(t["spec"], f"{manifest}: target.spec"),
                              backends=_backends(t.get("backends")))
@@ -437,8 +441,8 @@ class BundleWriter:
             for n in sorted(names):
                 full = os.path.join(dirpath, n)
                 rel = os.path.relpath(full, self.root).replace(os.sep, "/")
-                if rel == MANIFEST or not rel.endswith(DATA_SUFFIXES):
-                    continue  # only data formats belong to a bundle; stray files stay unlisted
+                if rel in (MANIFEST, TUNE_FILE) or not rel.endswith(DATA_SUFFIXES):
+                    continue  # only data formats belong to a bundle; stray files and the machine's tune stay unlisted
                 files[rel] = {"sha256": sha256_of(full), "size": os.path.getsize(full)}
         self.manifest["files"] = dict(sorted(files.items()))
         out = os.path.join(self.root, MANIFEST)

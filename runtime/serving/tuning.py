@@ -34,9 +34,9 @@ from typing import Dict, List, Optional, Tuple
 import yaml
 
 from runtime.errors import BundleError
+from runtime.model.bundle import TUNE_FILE
 from runtime.speculation import AcceptanceTracker, AdaptivePolicy, Calibration, CostModel, default_cost
 
-TUNE_FILE = "tune.yaml"
 SHAPES = ("auto", "fixed", "adaptive")
 
 

@@ -107,3 +107,27 @@ def test_tune_plot_writes_the_cost_curve_the_calibration_and_expected_against_me
     assert main(["tune", "--bundle", tuned, "--backend", "numpy_ref", "--drafters", "draft_model", "--rounds", "1",
                  "--max-tokens", "4", "--k-max", "2", "--max-context", "256", "--dry-run", "--plot", str(out)]) == 0
     assert sorted(os.listdir(out)) == ["calibration.png", "cost.png", "rates.png"]
+
+
+def test_a_tune_after_an_export_leaves_the_bundle_loadable(tuned, tmp_path):
+    """tune -> export (which rewrites the manifest) -> tune again: the manifest never lists tune.yaml, so the second
+    tune does not make every later load refuse the bundle as corrupt; an older manifest that lists it still loads."""
+    from runtime.model.bundle import MANIFEST, BundleWriter, load
+
+    b = str(tmp_path / "b")
+    shutil.copytree(tuned, b)
+    BundleWriter.extend(b).write()  # what an export does after adding its files
+    with open(os.path.join(b, MANIFEST)) as f:
+        assert TUNE_FILE not in yaml.safe_load(f)["files"]
+    (entry,) = read_tunes(b)
+    write_tune(b, dict(entry, backend="onnx"))  # the next tune: the file grows
+    assert TUNE_FILE not in load(b, verify_checksums=True).files
+    with open(os.path.join(b, MANIFEST)) as f:  # a manifest written by an export before this fix
+        m = yaml.safe_load(f)
+    m["files"][TUNE_FILE] = {"sha256": "0" * 64, "size": 1}
+    with open(os.path.join(b, MANIFEST), "w") as f:
+        yaml.safe_dump(m, f, sort_keys=False)
+    load(b, verify_checksums=True)
+    s = Session.open(b, drafter="draft_model", max_context=256)
+    assert s.shape.label == "adaptive (tuned)"
+    s.close()
