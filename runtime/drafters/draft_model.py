@@ -167,8 +167,9 @@ def build(b: DrafterBuild, p: DraftModelParams) -> DraftModelDrafter:
         backend = replace(backend, kind="numpy_ref")  # no graph for this backend: run the draft in numpy
     cache = b.arena.allocate("draft", cache_shape(entry.spec), b.max_positions)
     model = open_model(b.bundle, entry.spec, files, backend, cache, label=f"drafter {b.name}")
-    return DraftModelDrafter(model, num_tokens=b.num_tokens, branching=b.branching,
-                             kstep=kstep_graph(b.bundle, files, backend, model, p.kstep))
+    # the K-step graph drafts one chain: split chains (branching > 1) draft step-wise, so it is not opened
+    kstep = kstep_graph(b.bundle, files, backend, model, p.kstep) if b.branching == 1 else None
+    return DraftModelDrafter(model, num_tokens=b.num_tokens, branching=b.branching, kstep=kstep)
 
 
 def kstep_graph(bundle, files: BackendFiles, backend, model, mode: str = "auto"):
@@ -192,7 +193,7 @@ def memory(bundle, entry, p: DraftModelParams, backend: str) -> DrafterMemory:
     if d_files is not None and backend == "gguf":
         d_prec = {"f16": "fp16"}.get(d_files.params.get("quant", "f16"), d_files.params.get("quant"))
     return DrafterMemory(dims_from_spec(entry.spec), d_prec, prefill_chunked=True,
-                         kstep_bytes=kstep_memory(bundle, entry, backend), kstep_mode=p.kstep)
+                         kstep_bytes=kstep_memory(bundle, entry, backend), kstep_mode=p.kstep, kstep_chain_only=True)
 
 
 SPEC = DrafterSpec(kinds=("draft_model",), params=DraftModelParams.from_dict, build=build, memory=memory,

@@ -449,7 +449,9 @@ def build(b: DrafterBuild, p: EagleParams) -> EagleDrafter:
     embed, head = b.embed_and_head()
     cache = b.arena.allocate("draft", cache_shape(entry.spec), b.max_positions + memory_plan.DRAFT_SLACK)
     graphs = head_graphs(b, f"{entry.kind} head {b.name}")
-    kstep = head_kstep(b, p.kstep, f"{entry.kind} K-step {b.name}") if graphs and p.tree is None else None
+    # one chain per K-step run: a tree or split chains (branching > 1) draft step-wise, so it is not opened
+    kstep = (head_kstep(b, p.kstep, f"{entry.kind} K-step {b.name}") if graphs and p.tree is None and b.branching == 1
+             else None)
     return EagleDrafter(entry.kind, entry.spec, load_weights(bundle, entry.files), embed, head, cache, entry.params,
                         num_tokens=b.num_tokens, branching=b.branching, tree=p.tree, source=source,
                         net=graphs[0] if graphs else None, kstep=kstep)
@@ -472,7 +474,7 @@ def memory(bundle, entry, p: EagleParams, backend: str) -> memory_plan.DrafterMe
     extra = target_embedding_copy_bytes(bundle.target.spec) if backend != "numpy_ref" else 0
     kstep = kstep_memory(bundle, entry, backend) if p.tree is None else 0  # a tree drafts step-wise
     return memory_plan.DrafterMemory(eagle_dims(entry, p), "fp32", extra, prefill_chunked=True, kstep_bytes=kstep,
-                                     kstep_mode=p.kstep)
+                                     kstep_mode=p.kstep, kstep_chain_only=True)
 
 
 SPEC = DrafterSpec(kinds=("eagle", "eagle3"), params=EagleParams.from_dict, build=build, memory=memory,

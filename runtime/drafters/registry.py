@@ -128,14 +128,16 @@ def drafter_memory(bundle, name: str, backend: str) -> memory.DrafterMemory:
 
 def plan_inputs(bundle, name: str, backend: str, tree_tokens: int, precision: str = "auto",
                 prefill_chunk: int = memory.PREFILL_CHUNK, exceed_max_positions: bool = False,
-                providers: Optional[Tuple[str, ...]] = None) -> memory.PlanInputs:
+                providers: Optional[Tuple[str, ...]] = None, branching: int = 1) -> memory.PlanInputs:
     """The memory plan's inputs for a bundle served with drafter `name` ("none": plain decoding) on `backend`,
     prefilling in chunks of `prefill_chunk` (and past max_position_embeddings only with `exceed_max_positions`).
     A drafter's K-step graph is counted where it runs on these execution `providers` (shared.kstep_runs); None:
-    a robot's, where a GPU provider takes it unless the entry says kstep "off" (the memory CLI plans a device)."""
+    a robot's, where a GPU provider takes it unless the entry says kstep "off" (the memory CLI plans a device);
+    never for `branching` > 1 split chains of a drafter whose graph drafts one chain (it is not opened then)."""
     draft = drafter_memory(bundle, name, backend)
     inputs = bundle_sizes.bundle_inputs(bundle, None if name == "none" else name, draft, backend, tree_tokens,
                                         precision, prefill_chunk, exceed_max_positions)
     runs = draft.kstep_mode != "off" if providers is None else \
         kstep_runs(draft.kstep_mode, BackendConfig(kind=backend, providers=tuple(providers)))
+    runs = runs and not (draft.kstep_chain_only and branching > 1)
     return replace(inputs, drafter_kstep_bytes=draft.kstep_bytes if draft.kstep_bytes and runs else 0)

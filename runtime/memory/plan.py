@@ -186,6 +186,8 @@ class DrafterMemory:
     # weights again: its files' bytes (shared.kstep_memory), counted when `kstep_mode` runs it on the backend
     kstep_bytes: int = 0
     kstep_mode: str = "off"
+    # the graph drafts one chain: a session drafting `branching` > 1 chains never opens it (draft model, EAGLE)
+    kstep_chain_only: bool = False
 
 
 NO_DRAFTER = DrafterMemory()

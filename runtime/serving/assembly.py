@@ -117,7 +117,8 @@ class AssembledModel:
         tree_tokens = registry.tree_tokens(b, name, num_tokens, config.drafter.branching)
         self.plan_inputs = registry.plan_inputs(b, name, backend.kind, tree_tokens, backend.precision,
                                                 config.memory.prefill_chunk,
-                                                config.memory.exceed_max_position_embeddings, backend.providers)
+                                                config.memory.exceed_max_position_embeddings, backend.providers,
+                                                config.drafter.branching)
         positions = wanted = context_positions(config.memory, self.plan_inputs)
         self.budget_bytes = int(config.memory.budget_mb * 2**20)
         if self.budget_bytes > 0:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from runtime.certify.stat_tests import chi_square_gof
+from runtime.config import RuntimeConfig
 from runtime.serving.session import GenerationParams, Session
 from tests.support.kstep import kstep_row, loaded_weight_bytes, set_kstep
 
@@ -394,3 +395,22 @@ def test_the_memory_plan_counts_a_kstep_graph_where_it_runs_as_a_second_session_
         inp = registry.plan_inputs(bundle_mod.load(root), "draft_model", "onnx", 5, providers=providers)
         assert kstep_row(inp) == (want if counted else 0), (mode, providers)
     assert kstep_row(registry.plan_inputs(b, "none", "onnx", 5)) == 0
+
+
+def test_split_chains_never_open_the_kstep_graph_nor_plan_its_session(kstep_bundle):
+    """The graph drafts one chain; a session drafting branching > 1 chains drafts them step-wise, so it neither opens
+    the K-step session (~20 MiB resident for the zoo draft model) nor counts it in the plan."""
+    from runtime.drafters import registry
+    from runtime.model import bundle as bundle_mod
+
+    cfg = RuntimeConfig(bundle=kstep_bundle)
+    cfg = replace(cfg, drafter=replace(cfg.drafter, kind="draft_model", branching=2),
+                  backend=replace(cfg.backend, kind="onnx"), memory=replace(cfg.memory, max_context=128))
+    split = Session(cfg)
+    assert split.drafter.kstep is None and kstep_row(split.plan_inputs) == 0
+    out = split.generate("hello there", GenerationParams(max_tokens=6))
+    assert out.stats.draft_paths.get("kstep", 0) == 0
+    split.close()
+    b = bundle_mod.load(kstep_bundle)
+    assert kstep_row(registry.plan_inputs(b, "draft_model", "onnx", 9, branching=2)) == 0
+    assert kstep_row(registry.plan_inputs(b, "draft_model", "onnx", 5, branching=1)) > 0

@@ -214,6 +214,16 @@ def test_the_memory_plan_counts_a_chain_heads_kstep_graph_with_the_target_weight
         s = Session.open(kstep_bundle, drafter=name, backend="onnx", max_context=128)
         assert s.drafter.kstep is not None and kstep_row(s.plan_inputs) == want > 0, name
     assert kstep_row(registry.plan_inputs(b, "eagle3", "onnx", 5, providers=None)) == 0
+    # split chains (branching > 1) draft step-wise: no K-step session opened, none planned
+    from runtime.config import RuntimeConfig
+
+    cfg = RuntimeConfig(bundle=kstep_bundle)
+    for name in CHAINS:
+        split = Session(replace(cfg, drafter=replace(cfg.drafter, kind=name, branching=2),
+                                backend=replace(cfg.backend, kind="onnx"), memory=replace(cfg.memory, max_context=128)))
+        assert split.drafter.kstep is None and kstep_row(split.plan_inputs) == 0, name
+        split.close()
+        assert kstep_row(registry.plan_inputs(b, name, "onnx", 9, providers=None, branching=2)) == 0, name
 
 
 def _data_files(graph_path: str) -> set:
