@@ -153,8 +153,8 @@ def register(sub) -> None:
     s.add_argument("--draft-intermediate", type=int, default=None, help="... and this SwiGLU size (default 4 x hidden)")
     s.add_argument("--draft-kv-heads", type=int, default=6, help="... and these KV heads (default 6)")
     s.add_argument("--robot", action="store_true",
-                   help="a robot model's proportions: depth 24, hidden 512, SwiGLU 3200, 8 KV heads (~138 M params, "
-                        "0.55 GB fp32) and the draft model padded to hidden 384 / SwiGLU 3328 (~7 %% of the target)")
+                   help="a robot model's proportions: depth 24, hidden 512, SwiGLU 3200, 8 KV heads (~145 M params, "
+                        "0.58 GB fp32) and the draft model padded to hidden 384 / SwiGLU 3328 (~7 %% of the target)")
     s.add_argument("--bundle", default=None, help="also build a bundle here from --out and the zoo draft")
     s.add_argument("--no-onnx", action="store_true", help="with --bundle: numpy_ref only, no ONNX graphs")
     s.add_argument("--force", action="store_true", help="replace the edgespec bundle already at --bundle")

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from export.peers.registry import PeerModels, PeerUnavailable, build_ortgenai_model, builder_misreads, open_peer
+from export.peers.registry import (PeerModels, PeerUnavailable, build_ortgenai_model, builder_misreads, open_peer,
+                                   thread_overlay)
 
 
 def _checkpoint(tmp_path, **config):
@@ -42,8 +43,6 @@ def test_a_config_that_is_not_json_is_refused_naming_the_file(tmp_path):
 def test_the_peer_runs_on_edgespecs_thread_count(tmp_path):
     """A peer left to onnxruntime-genai's default took one thread on a 2-vCPU VM while edgespec used two."""
     og = pytest.importorskip("onnxruntime_genai")
-    from export.peers.registry import thread_overlay
-
     assert thread_overlay(3)["model"]["decoder"]["session_options"]["intra_op_num_threads"] == 3
     assert "draft" not in thread_overlay(3)["model"]
     assert thread_overlay(0)["model"]["decoder"]["session_options"]["intra_op_num_threads"] >= 1
