@@ -100,6 +100,20 @@ class StopCheck:
         return None
 
 
+@dataclass
+class PlainRun:
+    """Plain steps the adaptive rule has already decided for a request's template (AdaptivePolicy.plain_run): the
+    engine runs them without asking the rule each cycle and reports them together (AdaptivePolicy.skip)."""
+    left: int = 0  # cycles of the run still to go
+    cycles: int = 0  # cycles run since the policy was last told
+    verify_s: float = 0.0  # ... and their verify seconds
+
+    def flush(self, policy: Optional[AdaptivePolicy], key: str) -> None:
+        if policy is not None and self.cycles:
+            policy.skip(key, self.cycles, self.verify_s)
+        self.cycles, self.verify_s = 0, 0.0
+
+
 class Engine:
     """`prefix_cache`: a request keeps the target's K/V rows of the longest prefix its prompt shares with
     what the cache holds from the previous request (prompt + output, in the same arena) and prefills only
@@ -176,6 +190,7 @@ class Engine:
         budgets: List[int] = []
         nodes: List[int] = []  # drafted per cycle
         calibration = Calibration()
+        plain = PlainRun()
         emitted_by_cycles = 0  # accepted + 1 per cycle, before EOS / max_tokens cut the output
         depth_tried: List[int] = []
         depth_hit: List[int] = []
@@ -207,7 +222,7 @@ class Engine:
             if finish:
                 break
             cycle = self._cycle(context, params, rng, draft_rng, max_tokens - len(out), stats, state, key, budgets,
-                                calibration)
+                                calibration, plain)
             nodes.append(cycle["nodes"])
             stats.cycles += 1
             stats.target_forwards += 1
@@ -226,6 +241,7 @@ class Engine:
             if finish is None:
                 finish = stop.reason()
 
+        plain.flush(self.policy, key)
         stats.wall_s = time.perf_counter() - t0
         stats.tokens = len(out)
         stats.tau = emitted_by_cycles / stats.cycles if stats.cycles else 0.0
@@ -278,8 +294,12 @@ class Engine:
 
     def _cycle(self, context: List[int], params: SamplingParams, rng, draft_rng, remaining: int, stats: DecodeStats,
                grammar: Optional[GrammarState] = None, key: str = "", budgets: Optional[List[int]] = None,
-               calibration: Optional[Calibration] = None):
+               calibration: Optional[Calibration] = None, plain: Optional[PlainRun] = None):
         """One draft -> verify -> accept cycle. Returns the emitted tokens and what was drafted/accepted.
+
+        In a `plain` run (steps the adaptive rule decided to draft nothing in) the cycle is a plain step: the
+        rule is not asked, and the drafter is told of it only when it reads the target's taps (it must see every
+        committed row; one that reads the context alone catches up when it next proposes).
 
         Under a grammar, verify row r (root, then node i) is masked by the grammar state after the root +
         node i's path, so the verifier compares against exactly the distribution plain constrained decoding
@@ -288,11 +308,17 @@ class Engine:
         base = target.cache_len  # rows before the root
         tree = NO_DRAFT
         draft_s = 0.0
-        if self.drafter is not None and remaining > 1:
+        in_run = plain is not None and plain.left > 0 and remaining > 1
+        if in_run:
+            plain.left -= 1
+            budgets.append(0)
+        elif self.drafter is not None and remaining > 1:
             td = time.perf_counter()
             max_nodes = min(target.max_cache_len - base - 1, remaining - 1)
             stop = None
             if self.policy is not None:
+                if plain is not None:
+                    plain.flush(self.policy, key)
                 max_nodes = min(max_nodes, self.policy.budget(key))
                 budgets.append(max_nodes)
                 # from past cycles and the cost model only; not even built for a plain step (that must stay ~free)
@@ -309,6 +335,9 @@ class Engine:
         res = target.forward(tokens, positions, mask, taps_wanted)
         verify_s = time.perf_counter() - tv
         stats.verify_s += verify_s
+        if in_run:
+            plain.cycles += 1
+            plain.verify_s += verify_s
         masks = grammar.row_masks(tree) if grammar is not None else None
         if plain_greedy(params, masks):  # the raw logits' argmax: no (T, V) distribution is built
             result = verify_greedy_choices(tree, greedy_choices(res.logits))
@@ -319,6 +348,10 @@ class Engine:
         rows = [base] + [base + 1 + i for i in result.accepted]
         target.keep(base, rows)
         committed = [context[-1]] + [int(tree.tokens[i]) for i in result.accepted]
+        if in_run:
+            if taps_wanted:
+                self.drafter.accept(result.accepted, committed, accepted_rows(res.taps, rows, base))
+            return {"emitted": committed[1:] + [result.next_token], "accepted": 0, "drafted_depth": 0, "nodes": 0}
         if self.drafter is not None:
             td = time.perf_counter()
             self.drafter.accept(result.accepted, committed, accepted_rows(res.taps, rows, base))
@@ -333,6 +366,8 @@ class Engine:
                 self.policy.observe_nodes(key, tree.confidence, hit)
         if self.policy is not None and budgets:
             self.policy.observe(key, depth, len(result.accepted), len(tokens), verify_s, draft_s)
+            if plain is not None and not len(tree):
+                plain.left = self.policy.plain_run(key)
         return {"emitted": committed[1:] + [result.next_token], "accepted": len(result.accepted), "drafted_depth": depth,
                 "nodes": len(tree)}
 
