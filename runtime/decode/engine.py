@@ -103,15 +103,22 @@ class StopCheck:
 @dataclass
 class PlainRun:
     """Plain steps the adaptive rule has already decided for a request's template (AdaptivePolicy.plain_run): the
-    engine runs them without asking the rule each cycle and reports them together (AdaptivePolicy.skip)."""
+    engine runs them without asking the rule or telling the drafter each cycle, then tells both once (`flush`):
+    the rule through AdaptivePolicy.skip, a drafter that reads the target's taps through ONE accept of the run's
+    committed tokens and their tap rows (a drafter reading the context alone catches up when it next proposes)."""
     left: int = 0  # cycles of the run still to go
     cycles: int = 0  # cycles run since the policy was last told
     verify_s: float = 0.0  # ... and their verify seconds
+    tokens: List[int] = field(default_factory=list)  # the roots those cycles committed, in order
+    taps: List[Dict[str, np.ndarray]] = field(default_factory=list)  # ... and the target's taps at each (1, H)
 
-    def flush(self, policy: Optional[AdaptivePolicy], key: str) -> None:
+    def flush(self, policy: Optional[AdaptivePolicy], key: str, drafter: Optional[Drafter]) -> None:
         if policy is not None and self.cycles:
             policy.skip(key, self.cycles, self.verify_s)
-        self.cycles, self.verify_s = 0, 0.0
+        if drafter is not None and self.taps:
+            drafter.accept((), self.tokens, {name: np.concatenate([t[name] for t in self.taps])
+                                             for name in self.taps[0]})
+        self.cycles, self.verify_s, self.tokens, self.taps = 0, 0.0, [], []
 
 
 class Engine:
@@ -241,7 +248,7 @@ class Engine:
             if finish is None:
                 finish = stop.reason()
 
-        plain.flush(self.policy, key)
+        plain.flush(self.policy, key, self.drafter)
         stats.wall_s = time.perf_counter() - t0
         stats.tokens = len(out)
         stats.tau = emitted_by_cycles / stats.cycles if stats.cycles else 0.0
@@ -297,9 +304,8 @@ class Engine:
                calibration: Optional[Calibration] = None, plain: Optional[PlainRun] = None):
         """One draft -> verify -> accept cycle. Returns the emitted tokens and what was drafted/accepted.
 
-        In a `plain` run (steps the adaptive rule decided to draft nothing in) the cycle is a plain step: the
-        rule is not asked, and the drafter is told of it only when it reads the target's taps (it must see every
-        committed row; one that reads the context alone catches up when it next proposes).
+        In a `plain` run (steps the adaptive rule decided to draft nothing in) the cycle is a plain step that
+        neither the rule nor the drafter hears of until the run ends (PlainRun.flush).
 
         Under a grammar, verify row r (root, then node i) is masked by the grammar state after the root +
         node i's path, so the verifier compares against exactly the distribution plain constrained decoding
@@ -318,7 +324,7 @@ class Engine:
             stop = None
             if self.policy is not None:
                 if plain is not None:
-                    plain.flush(self.policy, key)
+                    plain.flush(self.policy, key, self.drafter)
                 max_nodes = min(max_nodes, self.policy.budget(key))
                 budgets.append(max_nodes)
                 # from past cycles and the cost model only; not even built for a plain step (that must stay ~free)
@@ -350,7 +356,8 @@ class Engine:
         committed = [context[-1]] + [int(tree.tokens[i]) for i in result.accepted]
         if in_run:
             if taps_wanted:
-                self.drafter.accept(result.accepted, committed, accepted_rows(res.taps, rows, base))
+                plain.tokens.append(committed[0])
+                plain.taps.append(res.taps)
             return {"emitted": committed[1:] + [result.next_token], "accepted": 0, "drafted_depth": 0, "nodes": 0}
         if self.drafter is not None:
             td = time.perf_counter()

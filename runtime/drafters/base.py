@@ -11,6 +11,9 @@ A cycle, seen from the drafter:
   2. The target verifies the tree; `accept(accepted_nodes, committed, taps)` tells the drafter which
      tree nodes were accepted, the tokens now committed to the target's KV cache (root + accepted
      tokens) and the target's hidden taps at those positions (rows aligned with `committed`).
+     Plain steps the adaptive rule runs as a run (runtime/decode/engine.py PlainRun) are told in ONE
+     accept at the run's end: no node accepted, `committed` the run's roots, `taps` a row each; a
+     drafter that reads no taps is not told of them at all (its next `propose` sees the whole context).
 """
 from __future__ import annotations
 
