@@ -257,8 +257,9 @@ class AdaptivePolicy:
         nothing too (no probe falls due before them), at most `most`. The engine runs them as plain steps without
         asking `budget` and `observe` each cycle and reports them in one `skip`, so that a drafter which does not
         pay there costs what it costs to hold, not a policy lookup a token (on the zoo those lookups, run on
-        caches the target's forward has just evicted, cost 1-2 % of a plain step). `most` bounds how long the
-        verify cost scale goes unmoved. History only, as `budget`; 0 where each cycle's timing is learnt from.
+        caches the target's forward has just evicted, cost 1-2 % of a plain step). `most` bounds how long a depth
+        search the verify scale would start waits. History only, as `budget`; 0 where each cycle's timing is
+        learnt from (`learn_costs`).
 
         >>> p = AdaptivePolicy(CostModel(((1, 1.0), (2, 2.0))), 4, prior=0.1, probe_share=None)
         >>> p.budget("action/greedy"), p.plain_run("action/greedy")  # idle 1 of 16: the probe is 15 cycles off
@@ -269,22 +270,23 @@ class AdaptivePolicy:
             return most
         return max(0, min(most, self.interval.get(key, self.probe_every) - self.idle.get(key, 0) - 1))
 
-    def skip(self, key: str, cycles: int, verify_s: float) -> None:
-        """`cycles` plain steps of the template that `plain_run` allowed, `verify_s` seconds of verify in all: the
-        state `cycles` calls of `budget` (each giving 0) and `observe` would leave, but that the verify cost
-        scale moves once, by their mean, with the weight of `cycles` steps.
+    def skip(self, key: str, verify_s: Sequence[float]) -> None:
+        """The plain steps of a run `plain_run` allowed, `verify_s` seconds each: the state that as many calls of
+        `budget` (each giving 0) and `observe` leave, but that a depth search the verify scale's moving would have
+        started inside the run waits for its end (at most `plain_run`'s bound of cycles later).
 
         >>> p = AdaptivePolicy(CostModel(((1, 1.0), (2, 2.0))), 4, prior=0.1, probe_share=None, scale_weight=0.5)
-        >>> p.budget("action/greedy"); p.skip("action/greedy", 2, 1.0)  # two steps at half the modelled second
+        >>> p.budget("action/greedy"); p.skip("action/greedy", [0.5, 0.5])  # two steps at half the modelled second
         0
-        >>> p.idle["action/greedy"], p.skipped, p._scale[0]  # 1 - 0.75 x 0.5: as two EMA steps of weight 0.5
+        >>> p.idle["action/greedy"], p.skipped, p._scale[0]  # 1 -> 0.75 -> 0.625, as two observe calls move it
         (3, 3, 0.625)"""
-        if cycles <= 0:
+        if not verify_s:
             return
-        self.idle[key] = self.idle.get(key, 0) + cycles
-        self.skipped += cycles
+        self.idle[key] = self.idle.get(key, 0) + len(verify_s)
+        self.skipped += len(verify_s)
         if self.scale_costs and not self.learn_costs:
-            self._rescale(1, verify_s / cycles, 0, 0.0, 1.0 - (1.0 - self.scale_weight) ** cycles)
+            for seconds in verify_s:
+                self._rescale(1, seconds, 0, 0.0)
 
     def probe_wait(self, key: str) -> int:
         """The fewest idle cycles before the template's next probe: `probe_every`, or more where a probe would
@@ -411,14 +413,14 @@ class AdaptivePolicy:
             per = draft_s / drafted
             self._draft = per if self._draft is None else 0.8 * self._draft + 0.2 * per
 
-    def _rescale(self, rows: int, verify_s: float, nodes: int, draft_s: float, weight: Optional[float] = None) -> None:
+    def _rescale(self, rows: int, verify_s: float, nodes: int, draft_s: float) -> None:
         """Move the cost scales by one cycle's timings; forget the searched depths once a scale moved enough.
 
         >>> p = AdaptivePolicy(CostModel(((1, 1.0), (2, 1.2)), 0.1, 0.1), 4, scale_weight=0.5)
         >>> p._rescale(rows=1, verify_s=0.5, nodes=0, draft_s=0.0)  # a plain step took half the tuned time
         >>> p._scale, p.current_cost().verify_s(1)
         ([0.75, 1.0], 0.75)"""
-        w, c = self.scale_weight if weight is None else weight, self.cost
+        w, c = self.scale_weight, self.cost
         modelled = c.verify_s(rows)
         if modelled > 0 and verify_s > 0:
             self._scale[0] += w * (min(4.0, max(0.25, verify_s / modelled)) - self._scale[0])

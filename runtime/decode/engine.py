@@ -105,20 +105,20 @@ class PlainRun:
     """Plain steps the adaptive rule has already decided for a request's template (AdaptivePolicy.plain_run): the
     engine runs them without asking the rule or telling the drafter each cycle, then tells both once (`flush`):
     the rule through AdaptivePolicy.skip, a drafter that reads the target's taps through ONE accept of the run's
-    committed tokens and their tap rows (a drafter reading the context alone catches up when it next proposes)."""
+    committed tokens and their tap rows (a drafter reading the context alone catches up when it next proposes).
+    Every cycle outside a run flushes first, so the drafter hears of committed rows in context order."""
     left: int = 0  # cycles of the run still to go
-    cycles: int = 0  # cycles run since the policy was last told
-    verify_s: float = 0.0  # ... and their verify seconds
+    verify_s: List[float] = field(default_factory=list)  # seconds of each cycle run since the policy was last told
     tokens: List[int] = field(default_factory=list)  # the roots those cycles committed, in order
     taps: List[Dict[str, np.ndarray]] = field(default_factory=list)  # ... and the target's taps at each (1, H)
 
     def flush(self, policy: Optional[AdaptivePolicy], key: str, drafter: Optional[Drafter]) -> None:
-        if policy is not None and self.cycles:
-            policy.skip(key, self.cycles, self.verify_s)
-        if drafter is not None and self.taps:
-            drafter.accept((), self.tokens, {name: np.concatenate([t[name] for t in self.taps])
-                                             for name in self.taps[0]})
-        self.cycles, self.verify_s, self.tokens, self.taps = 0, 0.0, [], []
+        verify_s, tokens, taps = self.verify_s, self.tokens, self.taps
+        self.verify_s, self.tokens, self.taps = [], [], []
+        if policy is not None and verify_s:
+            policy.skip(key, verify_s)
+        if drafter is not None and taps:
+            drafter.accept((), tokens, {name: np.concatenate([t[name] for t in taps]) for name in taps[0]})
 
 
 class Engine:
@@ -228,8 +228,12 @@ class Engine:
             finish = stop.reason()
             if finish:
                 break
-            cycle = self._cycle(context, params, rng, draft_rng, max_tokens - len(out), stats, state, key, budgets,
-                                calibration, plain)
+            try:
+                cycle = self._cycle(context, params, rng, draft_rng, max_tokens - len(out), stats, state, key,
+                                    budgets, calibration, plain)
+            except BaseException:
+                plain.flush(self.policy, key, None)  # the template's idle count stays true; the drafter starts afresh
+                raise
             nodes.append(cycle["nodes"])
             stats.cycles += 1
             stats.target_forwards += 1
@@ -248,7 +252,10 @@ class Engine:
             if finish is None:
                 finish = stop.reason()
 
+        td = time.perf_counter()
         plain.flush(self.policy, key, self.drafter)
+        if self.drafter is not None:
+            stats.draft_s += time.perf_counter() - td
         stats.wall_s = time.perf_counter() - t0
         stats.tokens = len(out)
         stats.tau = emitted_by_cycles / stats.cycles if stats.cycles else 0.0
@@ -318,21 +325,13 @@ class Engine:
         if in_run:
             plain.left -= 1
             budgets.append(0)
-        elif self.drafter is not None and remaining > 1:
+        elif self.drafter is not None:
             td = time.perf_counter()
-            max_nodes = min(target.max_cache_len - base - 1, remaining - 1)
-            stop = None
-            if self.policy is not None:
-                if plain is not None:
-                    plain.flush(self.policy, key, self.drafter)
-                max_nodes = min(max_nodes, self.policy.budget(key))
-                budgets.append(max_nodes)
-                # from past cycles and the cost model only; not even built for a plain step (that must stay ~free)
-                stop = self.policy.node_rule(key) if max_nodes > 0 else None
-            if max_nodes > 0:
-                allowed = grammar.allowed if grammar is not None else None
-                record = self.record_confidence or self.policy is not None
-                tree = self.drafter.propose(DraftContext(context, params, draft_rng, max_nodes, allowed, stop, record))
+            if plain is not None:  # a run ended: the rule and the drafter hear of it before anything else
+                plain.left = 0
+                plain.flush(self.policy, key, self.drafter)
+            if remaining > 1:
+                tree = self._propose(context, params, draft_rng, remaining, grammar, key, budgets)
             draft_s = time.perf_counter() - td
             stats.draft_s += draft_s
         tokens, positions, mask = verify_inputs(tree, context[-1], base, base)  # mask None: a chain, causal
@@ -342,8 +341,7 @@ class Engine:
         verify_s = time.perf_counter() - tv
         stats.verify_s += verify_s
         if in_run:
-            plain.cycles += 1
-            plain.verify_s += verify_s
+            plain.verify_s.append(verify_s)
         masks = grammar.row_masks(tree) if grammar is not None else None
         if plain_greedy(params, masks):  # the raw logits' argmax: no (T, V) distribution is built
             result = verify_greedy_choices(tree, greedy_choices(res.logits))
@@ -377,6 +375,23 @@ class Engine:
                 plain.left = self.policy.plain_run(key)
         return {"emitted": committed[1:] + [result.next_token], "accepted": len(result.accepted), "drafted_depth": depth,
                 "nodes": len(tree)}
+
+    def _propose(self, context: List[int], params: SamplingParams, draft_rng, remaining: int,
+                 grammar: Optional[GrammarState], key: str, budgets: List[int]) -> DraftTree:
+        """The cycle's draft: at most the rows left in the context, the request's remaining tokens but one, and the
+        adaptive rule's budget; its per-node rule comes from past cycles and the cost model only, and is not even
+        built for a plain step (that must stay ~free)."""
+        max_nodes = min(self.target.max_cache_len - self.target.cache_len - 1, remaining - 1)
+        stop = None
+        if self.policy is not None:
+            max_nodes = min(max_nodes, self.policy.budget(key))
+            budgets.append(max_nodes)
+            stop = self.policy.node_rule(key) if max_nodes > 0 else None
+        if max_nodes <= 0:
+            return NO_DRAFT
+        allowed = grammar.allowed if grammar is not None else None
+        record = self.record_confidence or self.policy is not None
+        return self.drafter.propose(DraftContext(context, params, draft_rng, max_nodes, allowed, stop, record))
 
     @staticmethod
     def _histories(context: List[int], tree: DraftTree) -> List[List[int]]:
