@@ -113,6 +113,8 @@ class PlainRun:
     taps: List[Dict[str, np.ndarray]] = field(default_factory=list)  # ... and the target's taps at each (1, H)
 
     def flush(self, policy: Optional[AdaptivePolicy], key: str, drafter: Optional[Drafter]) -> None:
+        if not self.verify_s:  # no run since the last flush (every drafting cycle asks): nothing to tell
+            return
         verify_s, tokens, taps = self.verify_s, self.tokens, self.taps
         self.verify_s, self.tokens, self.taps = [], [], []
         if policy is not None and verify_s:

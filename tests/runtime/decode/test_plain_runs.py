@@ -3,7 +3,6 @@ that a template's next cycles draft nothing (no probe is due), the engine runs t
 the rule each cycle and tells it once. The rule ends where asking it every cycle would have left it; the output
 stays token-identical to plain decoding; a drafter that reads the target's taps still sees every committed row."""
 import doctest
-import os
 
 import pytest
 
@@ -15,9 +14,9 @@ from tests.runtime.decode.test_adaptive_shapes import DRAFTERS, PROMPTS, ZOO, ne
 KEY = "action/greedy"
 
 
-def idle_policy(probe_every: int = 10) -> AdaptivePolicy:
+def idle_policy(probe_every: int = 10, prior: float = 0.3) -> AdaptivePolicy:
     """Verify rows at 60 % of a step and a pessimistic prior: the rule drafts nothing but its probes."""
-    return AdaptivePolicy(CostModel(((1, 1.0), (2, 1.6))), 4, probe_every=probe_every, probe_depth=2, prior=0.3,
+    return AdaptivePolicy(CostModel(((1, 1.0), (2, 1.6))), 4, probe_every=probe_every, probe_depth=2, prior=prior,
                           probe_share=None)
 
 
@@ -105,8 +104,7 @@ def test_a_tap_reader_hears_each_committed_row_once_and_in_order_also_where_a_re
     before its last cycle (told after it, MTP's rows sat out of order, and the next request reused them)."""
     needs_zoo()
     s = Session.open(ZOO, drafter=kind)
-    s.engine.policy = AdaptivePolicy(CostModel(((1, 1.0), (2, 1.6))), 4, probe_every=10, probe_depth=2, prior=0.05,
-                                     probe_share=None)
+    s.engine.policy = idle_policy(prior=0.05)
     heard, real = [], s.drafter.accept
 
     def accept(nodes, committed, taps):
