@@ -72,6 +72,17 @@ def test_fused_graph_is_the_lean_contrib_op_graph(fused):
     assert not {"Pow", "ReduceMean", "Softmax", "Neg", "Concat", "Sin", "Cos"} & set(ops)
 
 
+def test_the_fused_graphs_norms_compute_no_training_outputs(fused):
+    """SkipSimplifiedLayerNormalization computes its optional mean / inverse-std outputs (1, 2) whenever they are
+    named, bound or not: the graph leaves them unnamed and asks only for the normalised sum and the residual."""
+    import onnx
+
+    _, _, path = fused
+    skips = [n for n in onnx.load(path, load_external_data=False).graph.node
+             if n.op_type == "SkipSimplifiedLayerNormalization"]
+    assert skips and all(n.output[1] == n.output[2] == "" and n.output[0] and n.output[3] for n in skips)
+
+
 def test_the_fused_graphs_taps_are_its_layers_own_tensors_with_no_node_run_for_them(fused, tmp_path):
     """ONNX Runtime runs every node of a graph, bound output or not, so a node per tap would run on every plain
     step: the graph with taps has the nodes of the graph without, plus one Identity where two taps name the same
