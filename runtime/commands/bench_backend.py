@@ -90,17 +90,22 @@ CONTROL = "1 (control)"  # a second 1-token cell per context: its ratio to the f
 
 
 def interleaved_grid(targets: Sequence, contexts: Sequence[int], news: Sequence[int], rounds: int,
-                     rng: np.random.Generator, clock=time.perf_counter) -> Dict[Tuple, List[float]]:
+                     rng: np.random.Generator, clock=time.perf_counter, settle: int = 0) -> Dict[Tuple, List[float]]:
     """One forward per cell (configuration x new tokens x context, plus a CONTROL 1-token cell per
     configuration and context), every cell once per round in a fresh random order, so that load on shared
     cores hits all shapes and configurations alike (timing one shape after another let a busy minute land
-    on one shape). A first round warms each shape up and is dropped.
+    on one shape). A first round warms each shape up and is dropped. `settle`: untimed forwards of the cell's
+    own shape just before its timed one, so that it is timed as a step after a step of its shape (a shape
+    switch rebinds the backend's buffers and re-plans ONNX Runtime's memory: on the zoo it added ~0.1 ms to a
+    1-row forward, ~10 %, and nothing measurable to 4-16 rows).
     Returns {(configuration index, t, context): [seconds per round]}."""
     cells = [(j, t, c) for j in range(len(targets)) for t in list(news) + [CONTROL] for c in contexts]
     times: Dict[Tuple, List[float]] = {cell: [] for cell in cells}
     for r in range(rounds + 1):
         for i in rng.permutation(len(cells)):
             j, t, c = cells[i]
+            for _ in range(settle if r else 0):
+                time_one(targets[j], c, 1 if t == CONTROL else t, rng, clock)
             s = time_one(targets[j], c, 1 if t == CONTROL else t, rng, clock)
             if r:
                 times[cells[i]].append(s)

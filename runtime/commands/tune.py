@@ -67,7 +67,10 @@ def verify_costs(target, contexts: Sequence[int], rounds: int) -> Tuple[List[Tup
     """[(rows, median seconds)] averaged over `contexts`, and the control ratio (second 1-row cell / first)."""
     room = target.max_cache_len - max(contexts) - 1
     news = [n for n in NEWS if n <= room]
-    times = interleaved_grid([target], contexts, news, rounds, np.random.default_rng(0))
+    # each cell timed after a forward of its own shape: a plain step follows a plain step, and a tree of n nodes
+    # mostly another of n; timed cold, a 1-row forward paid the switch from the cell before (~10 % on the zoo),
+    # which made the first extra rows of a draft look free (c(4) = c(1)) and short drafts pay where they lose
+    times = interleaved_grid([target], contexts, news, rounds, np.random.default_rng(0), settle=1)
     med = {key: float(np.median(v)) for key, v in times.items()}
     curve = [(n, float(np.mean([med[0, n, c] for c in contexts]))) for n in news]
     control = float(np.mean([med[0, CONTROL, c] / med[0, 1, c] for c in contexts]))
