@@ -190,3 +190,32 @@ def test_the_default_drafters_are_those_of_none_ngram_draft_model_the_bundle_has
     root = _sealed_copy(tiny_bundle, tmp_path, drop_draft_model)
     code, out, err = run_cli(["bench", "--bundle", root, "--json"] + FAST, capsys)
     assert code == 0 and [r["label"] for r in json.loads(out)] == ["none", "ngram", CONTROL], err
+
+
+def test_the_bench_opens_the_control_first_and_plain_decoding_last_and_reports_rows_as_asked(monkeypatch):
+    """Where a session's memory lands shows in its speed (a plain session opened after 16 others ran ~5 % faster
+    than one opened before them), so plain decoding, every row's baseline, is opened last: no drafter gains from
+    the order, and the control, opened first, shows the effect's size. The table keeps the order asked."""
+    import runtime.commands.bench as bench
+
+    opened = []
+
+    class FakeSession:
+        def __init__(self, cfg):
+            opened.append(self)
+            self.kind = cfg.drafter.kind
+
+        def generate(self, *a, **k):
+            return None
+
+        def warm_up(self):
+            return None
+
+    monkeypatch.setattr(bench, "Session", FakeSession)
+    from runtime.config import RuntimeConfig
+
+    configs = {"none": "none", "ngram": "ngram", "draft_model@k4": "draft_model", bench.CONTROL: "none"}
+    sessions, skipped = bench.open_sessions(RuntimeConfig(), configs, "hi")
+    assert [s.kind for s in opened] == ["none", "ngram", "draft_model", "none"]
+    assert sessions[CONTROL] is opened[0] and sessions["none"] is opened[-1]  # the control first, plain last
+    assert list(sessions) == list(configs) and not skipped
