@@ -41,6 +41,9 @@ def _check(resp, what: str) -> None:
         raise RuntimeError(f"{what} failed: {resp.error_field or '-'}: {resp.message}")
 
 
+SPEEDUP_ROUNDS = 5  # goal pairs timed for the demo's speedup line
+
+
 def _timed_generate(client: EdgespecClient, max_tokens: int):
     t0 = time.monotonic()
     accepted, _status, result, _fb = client.generate(prompt=PROMPT, max_tokens=max_tokens, temperature=0.0)
@@ -93,17 +96,27 @@ def run_demo(spec_path: str, plain_path: Optional[str], max_tokens: int, timeout
         plain.wait_for_services(timeout_s)
         plain.wait_until_state("active", timeout_s)
         _timed_generate(plain, 4)  # warm-up, as the speculative node already served requests
-        spec_res, spec_wall = _timed_generate(spec, max_tokens)
-        plain_res, plain_wall = _timed_generate(plain, max_tokens)
-        same = spec_res.text == plain_res.text
+        # One goal each is a ~50 ms sample on the zoo, where the nodes' own threads share the cores with the
+        # model's: one pair read anywhere from 0.96x to 1.47x. SPEEDUP_ROUNDS pairs, the order alternated, and the
+        # median of the per-pair ratios with its min-max (as `edgespec bench` reports).
+        pairs = []
+        for r in range(SPEEDUP_ROUNDS):
+            order = [(spec, "spec"), (plain, "plain")][::1 if r % 2 == 0 else -1]
+            got = {name: _timed_generate(client, max_tokens) for client, name in order}
+            pairs.append((got["spec"], got["plain"]))
+        tok_ratios = sorted(s.stats.tokens_per_s / max(p.stats.tokens_per_s, 1e-9) for (s, _), (p, _) in pairs)
+        wall_ratios = sorted(pw / sw for (_, sw), (_, pw) in pairs)
+        mid = len(pairs) // 2
+        (spec_res, spec_wall), (plain_res, plain_wall) = sorted(
+            pairs, key=lambda pr: pr[0][0].stats.tokens_per_s / max(pr[1][0].stats.tokens_per_s, 1e-9))[mid]
+        same = all(s.text == p.text for (s, _), (p, _) in pairs)
         print(f"speculative: {spec_res.stats.tokens} tokens in {spec_wall:.2f} s "
-              f"({spec_res.stats.tokens_per_s:.1f} tok/s, tau={spec_res.stats.tau:.2f})")
+              f"({spec_res.stats.tokens_per_s:.1f} tok/s, tau={spec_res.stats.tau:.2f})  (the median pair of {len(pairs)})")
         print(f"plain:       {plain_res.stats.tokens} tokens in {plain_wall:.2f} s "
               f"({plain_res.stats.tokens_per_s:.1f} tok/s, tau={plain_res.stats.tau:.2f})")
-        speedup = spec_res.stats.tokens_per_s / max(plain_res.stats.tokens_per_s, 1e-9)
-        print(f"speedup vs plain decoding: {speedup:.2f}x in tokens/s, {plain_wall / spec_wall:.2f}x in round-trip "
-              f"wall time   "
-              f"greedy outputs identical: {same}{'' if same else '  <-- expected identical: exact verification'}")
+        print(f"speedup vs plain decoding: {tok_ratios[mid]:.2f}x [{tok_ratios[0]:.2f}-{tok_ratios[-1]:.2f}] in "
+              f"tokens/s, {wall_ratios[mid]:.2f}x [{wall_ratios[0]:.2f}-{wall_ratios[-1]:.2f}] in round-trip wall "
+              f"time   greedy outputs identical: {same}{'' if same else '  <-- expected identical: exact verification'}")
     node.destroy_node()
     return 0
 
