@@ -359,16 +359,16 @@ def open_sessions(cfg, configs: Dict[str, str], warm_prompt: str) -> Tuple[Dict[
 
 def open_order(labels) -> List[str]:
     """The order the bench opens its sessions in: the control first, plain decoding last, the drafters between.
-    Where a session's memory lands shows in its speed (2 threads, zoo, 2026-12-07: a plain session opened after
-    16 others ran 4.6 % [4.2-6.7] faster than one opened before them, with the same weights and prompts; no
-    difference at 1 thread or with none opened between). Plain decoding opened last gets the placement of the
+    Where a session's memory lands can show in its speed (2 threads, zoo, 2026-12-07: on a slow afternoon VM a
+    plain session opened after 16 others ran 4.6 % [4.2-6.7] faster than one opened before them, with the same
+    weights and prompts; no difference at 1 thread, with none opened between, or once the VM calmed). Plain decoding opened last gets the placement of the
     latest session, so no drafter is favoured over its baseline by this; the control, opened first, shows the
     size of the effect (a ratio below 1.00) besides the run's noise.
 
     >>> open_order(["none", "ngram", "draft_model", "none (control)"])
     ['none (control)', 'ngram', 'draft_model', 'none']"""
     labels = list(labels)
-    return ([CONTROL] if CONTROL in labels else []) + [l for l in labels if l not in (CONTROL, "none")] + (
+    return ([CONTROL] if CONTROL in labels else []) + [x for x in labels if x not in (CONTROL, "none")] + (
         ["none"] if "none" in labels else [])
 
 
