@@ -117,7 +117,7 @@ class PlainRun:
             return
         verify_s, tokens, taps = self.verify_s, self.tokens, self.taps
         self.verify_s, self.tokens, self.taps = [], [], []
-        if policy is not None and verify_s:
+        if policy is not None:
             policy.skip(key, verify_s)
         if drafter is not None and taps:
             drafter.accept((), tokens, {name: np.concatenate([t[name] for t in taps]) for name in taps[0]})

@@ -104,11 +104,11 @@ def run_demo(spec_path: str, plain_path: Optional[str], max_tokens: int, timeout
             order = [(spec, "spec"), (plain, "plain")][::1 if r % 2 == 0 else -1]
             got = {name: _timed_generate(client, max_tokens) for client, name in order}
             pairs.append((got["spec"], got["plain"]))
-        tok_ratios = sorted(s.stats.tokens_per_s / max(p.stats.tokens_per_s, 1e-9) for (s, _), (p, _) in pairs)
+        pairs.sort(key=lambda pr: pr[0][0].stats.tokens_per_s / max(pr[1][0].stats.tokens_per_s, 1e-9))
+        tok_ratios = [s.stats.tokens_per_s / max(p.stats.tokens_per_s, 1e-9) for (s, _), (p, _) in pairs]
         wall_ratios = sorted(pw / sw for (_, sw), (_, pw) in pairs)
         mid = len(pairs) // 2
-        (spec_res, spec_wall), (plain_res, plain_wall) = sorted(
-            pairs, key=lambda pr: pr[0][0].stats.tokens_per_s / max(pr[1][0].stats.tokens_per_s, 1e-9))[mid]
+        (spec_res, spec_wall), (plain_res, plain_wall) = pairs[mid]
         same = all(s.text == p.text for (s, _), (p, _) in pairs)
         print(f"speculative: {spec_res.stats.tokens} tokens in {spec_wall:.2f} s "
               f"({spec_res.stats.tokens_per_s:.1f} tok/s, tau={spec_res.stats.tau:.2f})  (the median pair of {len(pairs)})")
