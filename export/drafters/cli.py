@@ -10,7 +10,9 @@ HELP = """Train a drafter by distillation on a frozen target, with the shared tr
 
 The target is any HF directory `edgespec bundle` accepts (Llama, Qwen2, Qwen3: config.json + safetensors +
 tokenizer.json), read with the bundle's reader. It runs teacher-forced over the training rows and the drafter
-learns the target's own next-token distributions (top --top-k logits). The rows are, by default, the zoo's
+learns the target's own next-token distributions: its top --top-k logits and the mass of all the others as one
+more outcome (KL over both, so a drafter learns to leave the rest what the target does: what sampling at T > 0
+draws from; export/drafters/trainer.py soft_cross_entropy). The rows are, by default, the zoo's
 domains (robot planner, action tokens, Shakespeare; tokenized with the target's tokenizer), or with --data FILE
 the user's prompts or chats (JSONL, one {"prompt": ...} or {"messages": [{"role", "content"}, ...]} a line),
 rendered with the target's own chat template as the bundle renders requests and answered by the target itself
@@ -115,7 +117,8 @@ def register(sub) -> None:
                    help="zoo domains used without --data, comma-separated (default planner,action,text)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto: cuda when there is a GPU)")
     p.add_argument("--top-k", type=int, default=64,
-                   help="the target's distribution kept as its top-k logits (default 64; 0 = all, --no-cache only)")
+                   help="the target's distribution kept as its top-k logits and the rest's total mass (default 64; "
+                        "0 = all, --no-cache only)")
     p.add_argument("--no-cache", action="store_true", help="compute the target's features at every step")
     p.add_argument("--cache-dir", metavar="DIR",
                    help="feature and data cache, shared by every kind (default build/train-drafter/cache)")

@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from export.drafters.dflash import default_target_layer_ids
-from export.drafters.trainer import DrafterTask, TargetBatch, soft_cross_entropy, write_checkpoint
+from export.drafters.trainer import DrafterTask, TargetBatch, soft_cross_entropy, target_argmax, write_checkpoint
 from export.zoo.model import MLP, RMSNorm, rotate_half
 
 
@@ -200,7 +200,7 @@ class DFlashTask(DrafterTask):
         loss = (weight * soft_cross_entropy(got, want)).sum() / norm
         numbers: Dict[str, float] = {}
         with torch.no_grad():
-            hit = (got.argmax(-1) == want.argmax(-1)).float()
+            hit = (got.argmax(-1) == target_argmax(want, got.shape[-1])).float()
             slots = t[None, None].expand(B, A, -1)[valid]
             for s in (1, 4, 8):
                 if s < S:
@@ -215,7 +215,7 @@ class DFlashTask(DrafterTask):
             cond = F.log_softmax(got.float(), -1) + pair
             loss = loss + (weight * soft_cross_entropy(cond, want)).sum() / norm
             with torch.no_grad():
-                chit = (cond.argmax(-1) == want.argmax(-1)).float()
+                chit = (cond.argmax(-1) == target_argmax(want, got.shape[-1])).float()
                 for s in (1, 4, 8):
                     if s < S:
                         numbers[f"walk1_{s}"] = float(chit[slots == s].mean()) if (slots == s).any() else 0.0

@@ -70,7 +70,7 @@ class FeatureCache:
         return os.path.join(self.dir, f"s{shard:05d}.{name}.npy")
 
     def missing(self, shard: int, taps: Sequence[str]) -> Tuple[str, ...]:
-        names = ("ids", "doc", "logit_val", "logit_idx") + tuple(taps)
+        names = ("ids", "doc", "logit_val", "logit_idx", "logit_rest") + tuple(taps)
         return tuple(n for n in names if not os.path.isfile(self._file(shard, n)))
 
     def fill(self, taps: Sequence[str], batch: int, rank: int = 0, world: int = 1, log=print) -> float:
@@ -92,8 +92,9 @@ class FeatureCache:
                 tb = target_batch(self.target, torch.from_numpy(self.ids[a:b]).long(),
                                   torch.from_numpy(self.doc[a:b]).long(), [t for t in need if t in taps])
                 vals, idx = tb.logits.topk(min(self.top_k, tb.logits.shape[-1]), -1)
+                rest = tb.logits.scatter(-1, idx, float("-inf")).logsumexp(-1)  # as trainer.keep_top_k
                 got = {"ids": self.ids[a:b], "doc": self.doc[a:b], "logit_val": vals.cpu().numpy().astype(self.dtype),
-                       "logit_idx": idx.cpu().numpy().astype(np.int32),
+                       "logit_idx": idx.cpu().numpy().astype(np.int32), "logit_rest": rest.cpu().numpy().astype(np.float32),
                        **{t: v.cpu().numpy().astype(self.dtype) for t, v in tb.taps.items()}}
                 for n in need:
                     out[n].append(got[n])
@@ -134,7 +135,7 @@ class FeatureCache:
         return np.stack([self._array(int(r) // self.shard_rows, name)[int(r) % self.shard_rows] for r in rows])
 
     def batch(self, rows: np.ndarray, taps: Sequence[str], device: str = "cpu") -> TargetBatch:
-        """The TargetBatch of these rows from the cache: logits outside the top k are -inf, as on the fly."""
+        """The TargetBatch of these rows from the cache: the top k and the rest's log-sum-exp, as on the fly."""
         t = self.target
         ids = torch.from_numpy(self.read(rows, "ids")).long().to(device)
         doc = torch.from_numpy(self.read(rows, "doc")).long().to(device)
@@ -142,6 +143,8 @@ class FeatureCache:
         vals = torch.from_numpy(self.read(rows, "logit_val").astype(np.float32)).to(device)
         idx = torch.from_numpy(self.read(rows, "logit_idx")).long().to(device)
         logits = torch.full(vals.shape[:2] + (t.cfg.vocab_size,), float("-inf"), device=device).scatter_(-1, idx, vals)
+        rest = torch.from_numpy(self.read(rows, "logit_rest")).to(device)
+        logits = torch.cat([logits, rest[..., None]], -1)  # trainer.keep_top_k's layout
         got = {n: torch.from_numpy(self.read(rows, n).astype(np.float32)).to(device) for n in taps}
         return TargetBatch(ids, positions, mask, doc, logits, got, *frozen_embed_head(t))
 

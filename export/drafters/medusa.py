@@ -200,7 +200,7 @@ def _torch_task():
     import torch.nn as nn
     import torch.nn.functional as F
 
-    from export.drafters.trainer import DrafterTask, TargetBatch, soft_cross_entropy
+    from export.drafters.trainer import DrafterTask, TargetBatch, soft_cross_entropy, target_argmax
 
     class ResBlock(nn.Module):
         """x + SiLU(W x + b), W zero-initialised: a new head starts as the identity (official Medusa)."""
@@ -245,7 +245,7 @@ def _torch_task():
                 kl = soft_cross_entropy(got, want)
                 loss = loss + self.decay ** k * kl.sum() / (B * T)
                 with torch.no_grad():
-                    hit = (got.argmax(-1) == want.argmax(-1)).float()
+                    hit = (got.argmax(-1) == target_argmax(want, got.shape[-1])).float()
                     self.tally.append((float(hit.sum()), len(hit)))
                     numbers[f"top1_{k}"] = float(hit.mean()) if len(want) else 0.0
             return loss, numbers
@@ -286,6 +286,8 @@ def measure_accuracy(task, batches, width: int = 10):
     d+1, measured teacher-forced on held-out batches (TargetBatch, on the fly or from the feature cache)."""
     import torch
 
+    from export.drafters.trainer import target_argmax
+
     hits = np.zeros((len(task.heads), width))
     count = np.zeros(len(task.heads))
     with torch.no_grad():
@@ -294,7 +296,7 @@ def measure_accuracy(task, batches, width: int = 10):
             T = h.shape[1]
             for k, head in enumerate(task.heads):
                 valid = b.same_doc(k + 1)
-                want = b.logits[:, k + 1:][valid[:, :T - k - 1]].argmax(-1)  # (n,)
+                want = target_argmax(b.logits[:, k + 1:][valid[:, :T - k - 1]], b.head.shape[0])  # (n,)
                 top = head(h)[valid].topk(width, -1).indices  # (n, width)
                 hits[k] += (top == want[:, None]).sum(0).cpu().numpy()
                 count[k] += len(want)

@@ -73,7 +73,10 @@ class TargetBatch:
     positions: torch.Tensor  # (B, T) rotary positions (restart at 0 at each document)
     attn_mask: torch.Tensor  # (B, 1, T, T) bool "may attend" (block-diagonal causal)
     doc: torch.Tensor  # (B, T) document index per position; positions i, j share a document iff equal (pad: -1)
-    logits: torch.Tensor  # (B, T, V) float32: the target's next-token logits at each position
+    # (B, T, V) float32: the target's next-token logits at each position; or, cut to its top k (the feature cache,
+    # --top-k), (B, T, V + 1): the k logits in place, -inf elsewhere, and in column V the rest's log-sum-exp, so
+    # the loss still sees how much mass the target puts outside its top k (`keep_top_k`, `soft_cross_entropy`)
+    logits: torch.Tensor
     taps: Dict[str, torch.Tensor]  # name -> (B, T, H) float32 target hidden states
     embed: torch.Tensor  # (V, H) the target's input embedding (frozen)
     head: torch.Tensor  # (V, H) the target's LM head (frozen; the embedding when tied)
@@ -106,11 +109,36 @@ class DrafterTask(nn.Module):
 
 
 def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
-    """(n, V), (n, V) -> (n,) KL(p_target || q) per row: what a drafter minimises to match the target."""
+    """(n, V), (n, V) or (n, V + 1) -> (n,) KL(p_target || q) per row: what a drafter minimises to match the target.
+    A target cut to its top k (`keep_top_k`: column V the rest's log-sum-exp) is matched on its k tokens and on
+    the mass of the rest as ONE outcome: q must leave the rest what p leaves it, however q spreads it there. Cut
+    without that column, p renormalised over its top 64 left the zoo's heads no mass for the rest: at T = 1 the
+    target puts 6 % of its mass outside its top 64 on action prompts and 26 % on text (BENCHMARKS.md, run T1),
+    mass a sampled draft can then never match.
+
+    >>> q = torch.tensor([[2.0, 1.0, 0.0, 0.0]])
+    >>> full = torch.tensor([[2.0, 1.0, 0.5, -1.0]])  # p over all four tokens
+    >>> cut = keep_top_k(full, 2)  # the top 2 and the rest (tokens 2, 3) as one outcome
+    >>> float(soft_cross_entropy(q, cut)) <= float(soft_cross_entropy(q, full))  # the lumped KL is a lower bound
+    True
+    >>> float(soft_cross_entropy(full, cut)) < 1e-6  # and zero at q = p
+    True"""
     logq = F.log_softmax(logits.float(), -1)
-    p = F.softmax(target_logits.float(), -1)
+    target_logits = target_logits.float()
+    if target_logits.shape[-1] == logq.shape[-1] + 1:
+        p_all = F.softmax(target_logits, -1)  # the k named tokens and the rest, normalised together
+        p, p_rest = p_all[..., :-1], p_all[..., -1]
+        logq_rest = logq.masked_fill(torch.isfinite(target_logits[..., :-1]), float("-inf")).logsumexp(-1)
+        rest = torch.where(p_rest > 0, torch.xlogy(p_rest, p_rest) - p_rest * logq_rest, torch.zeros_like(p_rest))
+        return (torch.xlogy(p, p) - p * logq).sum(-1) + rest
+    p = F.softmax(target_logits, -1)
     # xlogy: 0 * log 0 = 0 where a top-k target leaves tokens out (their logits are -inf)
     return (torch.xlogy(p, p) - p * logq).sum(-1)
+
+
+def target_argmax(target_logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The target's own greedy token per row, of (..., V) or top-k cut (..., V + 1) logits (the rest is no token)."""
+    return target_logits[..., :vocab].argmax(-1)
 
 
 # ---- data ---------------------------------------------------------------------------------------------------------
@@ -164,7 +192,7 @@ def packed_layout(doc: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 @torch.no_grad()
 def target_batch(target, ids: torch.Tensor, doc: torch.Tensor, taps: Sequence[str], top_k: int = 0) -> TargetBatch:
     """Run the frozen target (export.drafters.target.TargetLM, or the zoo's LlamaLM) on packed rows on its
-    device, keeping the requested taps (float32). top_k > 0: logits outside each position's top k are -inf."""
+    device, keeping the requested taps (float32). top_k > 0: cut to each position's top k (`keep_top_k`)."""
     device = target.embed_tokens.weight.device
     ids, doc = ids.to(device), doc.to(device)
     positions, mask = packed_layout(doc)
@@ -205,9 +233,14 @@ def frozen_embed_head(target) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def keep_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """(..., V) -> the same logits where they are among the row's k largest, -inf elsewhere."""
+    """(..., V) -> (..., V + 1): the logits where they are among the row's k largest, -inf elsewhere, and in
+    column V the log-sum-exp of the others (the rest's mass on the logits' scale; -inf when k >= V).
+
+    >>> keep_top_k(torch.tensor([[3.0, 0.0, 1.0, 0.0]]), 2)
+    tensor([[3.0000,   -inf, 1.0000,   -inf, 0.6931]])"""
     vals, idx = logits.topk(min(k, logits.shape[-1]), -1)
-    return torch.full_like(logits, float("-inf")).scatter_(-1, idx, vals)
+    rest = logits.scatter(-1, idx, float("-inf")).logsumexp(-1, keepdim=True)
+    return torch.cat([torch.full_like(logits, float("-inf")).scatter_(-1, idx, vals), rest], -1)
 
 
 class LazyBatches:

@@ -43,8 +43,9 @@ def test_features_from_the_cache_equal_features_computed_on_the_fly(tmp_path, ta
     want = target_batch(target, torch.from_numpy(ids[rows]).long(), torch.from_numpy(doc[rows]).long(), TAPS, top_k=8)
     for name in ("ids", "positions", "attn_mask", "doc"):
         assert torch.equal(getattr(got, name), getattr(want, name))
-    finite = torch.isfinite(want.logits)
-    assert torch.equal(torch.isfinite(got.logits), finite) and int(finite.sum(-1).max()) == 8
+    finite = torch.isfinite(want.logits)  # the top 8 of V, and column V: the rest's log-sum-exp
+    assert torch.equal(torch.isfinite(got.logits), finite) and int(finite[..., :-1].sum(-1).max()) == 8
+    assert got.logits.shape[-1] == target.cfg.vocab_size + 1 and bool(finite[..., -1].all())
     np.testing.assert_allclose(got.logits[finite].numpy(), want.logits[finite].numpy(), atol=atol * 10, rtol=atol)
     for tap in TAPS:
         np.testing.assert_allclose(got.taps[tap].numpy(), want.taps[tap].numpy(), atol=atol, rtol=atol)
