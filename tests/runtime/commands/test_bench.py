@@ -126,7 +126,7 @@ def test_a_prompts_file_that_cannot_be_used_is_named(tmp_path, tiny_bundle, caps
 
 
 def test_near_tie_names_where_a_greedy_output_differs_and_the_target_logit_gap_there(tiny_bundle):
-    from runtime.commands.bench import near_tie
+    from runtime.commands.bench import float_tie, near_tie
     from runtime.serving.session import GenerationParams, Session
     s = Session.open(tiny_bundle, drafter="none")
     try:
@@ -140,6 +140,16 @@ def test_near_tie_names_where_a_greedy_output_differs_and_the_target_logit_gap_t
         s.close()
     assert got["position"] == 2 and got["plain_token"] == plain[2] and got["other_token"] == runner_up
     assert got["logit_gap"] == pytest.approx(float(logits[plain[2]] - logits[runner_up]), abs=1e-5) and got["logit_gap"] >= 0
+    # whether that gap is a rounding or a wrong token is judged on the two logits themselves
+    assert got["float_tie"] is float_tie(got["logit_gap"], float(logits[plain[2]]), float(logits[runner_up]))
+
+
+def test_a_gap_of_a_rounding_is_a_float_tie_and_a_wider_one_is_not():
+    """fp32: the zoo's near-tie at prompt 4 token 44 is 1 ulp of 8.19 (9.5e-7); f16 weights: 2.5e-4 at ~10. A wrong
+    token chosen by a broken verifier would sit a visible gap below the argmax."""
+    from runtime.commands.bench import float_tie
+    assert float_tie(9.5367e-07, 8.193508, 8.193507) and float_tie(0.0, 8.19, 8.19) and float_tie(2.5e-4, 10.2, 10.2)
+    assert not float_tie(0.07, 8.19, 8.12) and not float_tie(0.01, 3.0, 2.99)
 
 
 def _sealed_copy(tiny_bundle, tmp_path, edit):
