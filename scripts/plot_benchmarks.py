@@ -50,7 +50,7 @@ def plot_tau(rows: List[dict], out: str) -> str:
     ax.set_xticks(list(x))
     ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
     ax.set_ylabel("τ (tokens per target forward)")
-    ax.set_title("τ per drafter, stand-in bundle (zoo drafters), 2-core CPU", fontsize=9)
+    ax.set_title("τ per drafter, robot stand-in (zoo drafters), 2-core CPU", fontsize=9)
     ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()
     path = os.path.join(out, "tau_per_drafter.png")
@@ -66,7 +66,7 @@ def plot_speedup(data: Dict[str, List[dict]], out: str) -> str:
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), dpi=80, sharey=True)
     for ax, (bundle, title) in zip(axes, (("zoo", "zoo (7 M params, cache-resident)"),
-                                          ("standin", "stand-in (125 M params, memory-bound)"))):
+                                          ("standin", "robot stand-in (24 layers, 0.58 GB fp32, memory-bound)"))):
         rows = at(data[bundle], 0)
         x = list(range(len(rows)))
         ax.bar(x, [r["speedup"] for r in rows], 0.6, color="#4c72b0")
@@ -83,7 +83,7 @@ def plot_speedup(data: Dict[str, List[dict]], out: str) -> str:
     axes[0].set_ylabel("speedup over plain decoding, T = 0")
     axes[1].plot([], [], marker="x", color="#c44e52", ls="", label="that run's control (plain vs plain)")
     axes[1].plot([], [], color="black", lw=1, label="min-max of the rounds")
-    axes[1].legend(fontsize=7, frameon=False, loc="upper right")
+    axes[1].legend(fontsize=7, loc="lower left", framealpha=0.9)
     fig.tight_layout()
     path = os.path.join(out, "speedup_per_drafter.png")
     fig.savefig(path)
