@@ -296,7 +296,8 @@ def _export_trained(args, task, result, log, extra=None) -> int:
     if result.curve:
         last = result.curve[-1]
         training["heldout"] = {"step": last["step"], "tau": round(last["tau"], 4),
-                               "per_depth": [round(a, 4) for a in last["per_depth"]]}
+                               "per_depth": [round(a, 4) for a in last["per_depth"]],
+                               "tau_t1": [round(last["tau_t1"], 4), round(last["tau_t1_hi"], 4)]}
     files = task.export(args.out, {**(extra or {}), "base_model_name_or_path": base, "training": training})
     log(f"wrote {', '.join(files)} ({os.path.getsize(files[0]) / 2**20:.1f} MiB)")
     return 0

@@ -22,7 +22,7 @@ selector's codebooks without `.weight`)."""
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -30,9 +30,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from export.drafters.dflash import default_target_layer_ids
-from export.drafters.trainer import DrafterTask, TargetBatch, soft_cross_entropy, target_argmax, write_checkpoint
+from export.drafters.trainer import DrafterTask, TargetBatch, depth_tally, soft_cross_entropy, write_checkpoint
 from export.zoo.model import MLP, RMSNorm, rotate_half
 
+
+
+def by_slot(got: torch.Tensor, want: torch.Tensor, slots: torch.Tensor, S: int, numbers: Dict[str, float],
+            name: str, sampled: bool) -> List[Tuple[float, ...]]:
+    """The block's held-out tally per slot 1 .. S-1 (`depth_tally` of the rows at that slot); slots 1, 4 and 8's
+    greedy agreement also into `numbers` as name_s."""
+    tally = [depth_tally(got[slots == s], want[slots == s], sampled) for s in range(1, S)]
+    for s in (1, 4, 8):
+        if s < S:
+            hits, n = tally[s - 1][:2]
+            numbers[f"{name}_{s}"] = hits / n if n else 0.0
+    return tally
 
 class _Attention(nn.Module):
     def __init__(self, cfg):
@@ -200,12 +212,8 @@ class DFlashTask(DrafterTask):
         loss = (weight * soft_cross_entropy(got, want)).sum() / norm
         numbers: Dict[str, float] = {}
         with torch.no_grad():
-            hit = (got.argmax(-1) == target_argmax(want, got.shape[-1])).float()
             slots = t[None, None].expand(B, A, -1)[valid]
-            for s in (1, 4, 8):
-                if s < S:
-                    numbers[f"top1_{s}"] = float(hit[slots == s].mean()) if (slots == s).any() else 0.0
-            self.tally = [(float(hit[slots == s].sum()), int((slots == s).sum())) for s in range(1, S)]
+            self.tally = by_slot(got, want, slots, S, numbers, "top1", sampled=not self.training)
         if self.v2:
             # the walk's conditional after the TRUE predecessor (the anchor for slot 1)
             prev = batch.ids.gather(1, at.flatten(1)).view_as(at)  # x_{p+t-1}
@@ -215,12 +223,8 @@ class DFlashTask(DrafterTask):
             cond = F.log_softmax(got.float(), -1) + pair
             loss = loss + (weight * soft_cross_entropy(cond, want)).sum() / norm
             with torch.no_grad():
-                chit = (cond.argmax(-1) == target_argmax(want, got.shape[-1])).float()
-                for s in (1, 4, 8):
-                    if s < S:
-                        numbers[f"walk1_{s}"] = float(chit[slots == s].mean()) if (slots == s).any() else 0.0
                 # the runtime draws slot t from this conditional: its acceptance is the walk's
-                self.tally = [(float(chit[slots == s].sum()), int((slots == s).sum())) for s in range(1, S)]
+                self.tally = by_slot(cond, want, slots, S, numbers, "walk1", sampled=not self.training)
         return loss, numbers
 
     # -- export ------------------------------------------------------------------------------------

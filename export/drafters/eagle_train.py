@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from export.drafters.eagle import default_tap_layers, tap_collision
-from export.drafters.trainer import DrafterTask, TargetBatch, soft_cross_entropy, target_argmax, write_checkpoint
+from export.drafters.trainer import DrafterTask, TargetBatch, depth_tally, soft_cross_entropy, write_checkpoint
 from export.zoo.model import MLP, RMSNorm, rope_cos_sin, rotate_half
 
 
@@ -142,9 +142,8 @@ class EagleTask(DrafterTask):
                 reg = F.smooth_l1_loss(out[valid], batch.taps["final_norm"][:, 1:][valid[:, :T - 1]], reduction="sum")
                 loss = loss + reg / (B * T * c.hidden_size) * 10.0
             with torch.no_grad():
-                hit = (got.argmax(-1) == target_argmax(want, got.shape[-1])).float()
-                self.tally.append((float(hit.sum()), len(hit)))
-                numbers[f"top1_{j}"] = float(hit.mean()) if len(want) else 0.0
+                self.tally.append(depth_tally(got, want, sampled=not self.training))
+                numbers[f"top1_{j}"] = self.tally[-1][0] / len(want) if len(want) else 0.0
         return loss, numbers
 
     def official_weights(self) -> Dict[str, np.ndarray]:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from export.drafters.trainer import (LazyBatches, TargetBatch, TrainConfig, frozen_embed_head, packed_layout,
-                                     target_batch)
+                                     target_batch, top_k_and_rest)
 
 DTYPES = ("float32", "float16")
 
@@ -91,8 +91,7 @@ class FeatureCache:
                 b = min(a + batch, rows.stop)
                 tb = target_batch(self.target, torch.from_numpy(self.ids[a:b]).long(),
                                   torch.from_numpy(self.doc[a:b]).long(), [t for t in need if t in taps])
-                vals, idx = tb.logits.topk(min(self.top_k, tb.logits.shape[-1]), -1)
-                rest = tb.logits.scatter(-1, idx, float("-inf")).logsumexp(-1)  # as trainer.keep_top_k
+                vals, idx, rest = top_k_and_rest(tb.logits, self.top_k)
                 got = {"ids": self.ids[a:b], "doc": self.doc[a:b], "logit_val": vals.cpu().numpy().astype(self.dtype),
                        "logit_idx": idx.cpu().numpy().astype(np.int32), "logit_rest": rest.cpu().numpy().astype(np.float32),
                        **{t: v.cpu().numpy().astype(self.dtype) for t, v in tb.taps.items()}}

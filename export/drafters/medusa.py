@@ -200,7 +200,7 @@ def _torch_task():
     import torch.nn as nn
     import torch.nn.functional as F
 
-    from export.drafters.trainer import DrafterTask, TargetBatch, soft_cross_entropy, target_argmax
+    from export.drafters.trainer import DrafterTask, TargetBatch, depth_tally, soft_cross_entropy
 
     class ResBlock(nn.Module):
         """x + SiLU(W x + b), W zero-initialised: a new head starts as the identity (official Medusa)."""
@@ -245,9 +245,8 @@ def _torch_task():
                 kl = soft_cross_entropy(got, want)
                 loss = loss + self.decay ** k * kl.sum() / (B * T)
                 with torch.no_grad():
-                    hit = (got.argmax(-1) == target_argmax(want, got.shape[-1])).float()
-                    self.tally.append((float(hit.sum()), len(hit)))
-                    numbers[f"top1_{k}"] = float(hit.mean()) if len(want) else 0.0
+                    self.tally.append(depth_tally(got, want, sampled=not self.training))
+                    numbers[f"top1_{k}"] = self.tally[-1][0] / len(want) if len(want) else 0.0
             return loss, numbers
 
         def official_weights(self) -> Dict[str, np.ndarray]:

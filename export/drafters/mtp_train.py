@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from export.drafters.target import DecoderLayer
-from export.drafters.trainer import DrafterTask, TargetBatch, soft_cross_entropy, target_argmax, write_checkpoint
+from export.drafters.trainer import DrafterTask, TargetBatch, depth_tally, soft_cross_entropy, write_checkpoint
 from export.zoo.model import RMSNorm
 
 
@@ -65,9 +65,8 @@ class MTPTask(DrafterTask):
         want = batch.logits[:, 1:][valid[:, :T - 1]]  # the target's own distribution at t+1
         loss = soft_cross_entropy(got, want).sum() / (B * T)
         with torch.no_grad():
-            hit = (got.argmax(-1) == target_argmax(want, got.shape[-1])).float()
-            self.tally = [(float(hit.sum()), len(hit))]
-        return loss, {"top1_0": float(hit.mean()) if len(hit) else 0.0}
+            self.tally = [depth_tally(got, want, sampled=not self.training)]
+        return loss, {"top1_0": self.tally[0][0] / len(got) if len(got) else 0.0}
 
     def official_weights(self) -> Dict[str, np.ndarray]:
         """DeepSeek-V3 keys: model.layers.{N}.{enorm, hnorm, eh_proj, shared_head.norm} + the decoder layer's."""

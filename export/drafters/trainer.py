@@ -141,6 +141,38 @@ def target_argmax(target_logits: torch.Tensor, vocab: int) -> torch.Tensor:
     return target_logits[..., :vocab].argmax(-1)
 
 
+def depth_tally(logits: torch.Tensor, target_logits: torch.Tensor, sampled: bool = True) -> Tuple[float, ...]:
+    """One draft depth's held-out numbers over its n rows, (n, V) drafter logits against the target's (n, V) or
+    cut (n, V + 1): (greedy hits, n, sampled acceptance summed, its upper bound summed).
+
+    Greedy: the drafter's top token is the target's. Sampled (T = 1): a token drawn from q is accepted with
+    probability sum_x min(p(x), q(x)) (the accept-or-resample rule). Against a cut target only the top k of p are
+    known: summing over them gives a lower bound, and adding min(p_rest, q_rest) an upper one (the rest as one
+    outcome can only overlap more than its tokens do); without a cut the two are equal. `sampled` False (a
+    training step) leaves the sampled sums at 0.
+
+    >>> p = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    >>> h, n, lo, hi = depth_tally(p, keep_top_k(p, 2))  # q = p: greedy hit; sampled 1 - the rest's mass .. 1
+    >>> h, n, round(lo, 3), round(hi, 3)
+    (1.0, 1, 0.881, 1.0)
+    >>> [round(x, 6) for x in depth_tally(p, p)[2:]]  # against the whole target: one number
+    [1.0, 1.0]"""
+    vocab = logits.shape[-1]
+    hits = float((logits.argmax(-1) == target_argmax(target_logits, vocab)).float().sum())
+    n = int(logits.shape[0])
+    if not sampled or n == 0:
+        return hits, n, 0.0, 0.0
+    q = F.softmax(logits.float(), -1)
+    p_all = F.softmax(target_logits.float(), -1)
+    p = p_all[..., :vocab]
+    lo = torch.minimum(p, q).sum(-1)
+    hi = lo
+    if target_logits.shape[-1] == vocab + 1:
+        q_rest = q.masked_fill(torch.isfinite(target_logits[..., :vocab]), 0.0).sum(-1)
+        hi = lo + torch.minimum(p_all[..., vocab], q_rest)
+    return hits, n, float(lo.sum()), float(hi.sum())
+
+
 # ---- data ---------------------------------------------------------------------------------------------------------
 
 class RowSampler:
@@ -238,9 +270,15 @@ def keep_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
 
     >>> keep_top_k(torch.tensor([[3.0, 0.0, 1.0, 0.0]]), 2)
     tensor([[3.0000,   -inf, 1.0000,   -inf, 0.6931]])"""
+    vals, idx, rest = top_k_and_rest(logits, k)
+    return torch.cat([torch.full_like(logits, float("-inf")).scatter_(-1, idx, vals), rest[..., None]], -1)
+
+
+def top_k_and_rest(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(..., V) -> the k largest logits (..., k), their token ids (..., k) and the log-sum-exp of the others (...):
+    what `keep_top_k` lays out and the feature cache stores."""
     vals, idx = logits.topk(min(k, logits.shape[-1]), -1)
-    rest = logits.scatter(-1, idx, float("-inf")).logsumexp(-1, keepdim=True)
-    return torch.cat([torch.full_like(logits, float("-inf")).scatter_(-1, idx, vals), rest], -1)
+    return vals, idx, logits.scatter(-1, idx, float("-inf")).logsumexp(-1)
 
 
 class LazyBatches:
@@ -380,7 +418,8 @@ def train(task: DrafterTask, target, data: Optional[Dict[str, list]], cfg: Train
                          **evaluate(task, heldout)}
             curve.append(point)
             say(f"{task.kind} held-out at step {step}: loss {point['loss']:.4f} acceptance per depth "
-                + " ".join(f"{a:.3f}" for a in point["per_depth"]) + f" -> expected tau {point['tau']:.3f}")
+                + " ".join(f"{a:.3f}" for a in point["per_depth"]) + f" -> expected tau {point['tau']:.3f}"
+                + f" (T = 1: {point['tau_t1']:.3f}, at most {point['tau_t1_hi']:.3f})")
             if dist.rank == 0:
                 write_curve(os.path.join(work, "curve.json"), task.kind, cfg, curve)
         # the stop decision must be the same in every process: rank 0's clock and curve decide
