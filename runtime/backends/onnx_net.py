@@ -19,9 +19,10 @@ into its cache itself: the graph never returns the whole cache."""
 from __future__ import annotations
 
 import functools
-
 import os
-from typing import Dict, Mapping, Optional, Sequence
+import threading
+import weakref
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -58,10 +59,35 @@ def bundle_of(model_path: str) -> str:
 SPINNING = {"never": ("0", "0"), "run": ("1", "1"), "always": ("1", "0")}
 
 
+# Graphs open in this process, shared: (graph file, its bytes on disk, providers, threads, spinning) -> session.
+# Every backend or drafter that opens the same graph with the same settings runs it on one ORT session: one copy
+# of the weights and of their pre-packed forms, one thread pool. Two Sessions of one bundle (the bench's plain
+# decoding and each drafter's configuration, the node reconfigured with another drafter) then run the target on
+# the same memory and threads, so none is faster for where its copy of the weights landed: the bench's control
+# row read 0.93-0.94x plain when each opened its own (BENCHMARKS.md, R14). Each caller binds its own inputs
+# and outputs (an IOBinding per backend) and ORT runs one session from several threads. A graph rewritten on
+# disk is a new key (a new session loads the new file); a session is dropped once no backend holds it.
+_OPEN: "weakref.WeakValueDictionary[Tuple, object]" = weakref.WeakValueDictionary()
+_OPEN_LOCK = threading.Lock()
+
+
+def _graph_key(model_path: str, providers: Sequence[str], threads: int, spinning: str) -> Tuple:
+    """What makes two opens of a graph the same session: the file (and its external data) as it is on disk now,
+    and the settings."""
+    files = []
+    for f in (model_path, model_path + ".data"):
+        if os.path.isfile(f):
+            st = os.stat(f)
+            files.append((os.path.realpath(f), st.st_size, st.st_mtime_ns))
+    return tuple(files), tuple(providers), threads, spinning
+
+
 def open_session(model_path: str, providers: Sequence[str] = ("CPUExecutionProvider",), threads: int = 0,
                  profile_prefix: str = "", spinning: str = "never"):
-    """An ort.InferenceSession for one graph of a bundle, with the settings every edgespec graph runs under.
-    Raises BackendError (provider missing, no file, graph ORT refuses) with what to do."""
+    """An ort.InferenceSession for one graph of a bundle, with the settings every edgespec graph runs under: the
+    one already open in this process for the same graph and settings (`_OPEN`), else a new one; a profiled
+    session (`profile_prefix`) is always its own. Raises BackendError (provider missing, no file, graph ORT
+    refuses) with what to do."""
     ort = import_ort()
     available = ort.get_available_providers()
     for p in providers:
@@ -72,13 +98,25 @@ def open_session(model_path: str, providers: Sequence[str] = ("CPUExecutionProvi
     if not os.path.isfile(model_path):
         raise BackendError(f"{model_path}: no such ONNX graph; export it with "
                            f"`edgespec export --to onnx --bundle {bundle_of(model_path)}`")
+    threads = threads or os.cpu_count() or 1
+    if spinning not in SPINNING:
+        raise BackendError(f"spinning {spinning!r}: expected one of {sorted(SPINNING)}")
+    if profile_prefix:
+        return _new_session(ort, model_path, providers, threads, spinning, profile_prefix)
+    key = _graph_key(model_path, providers, threads, spinning)
+    with _OPEN_LOCK:
+        session = _OPEN.get(key)
+        if session is None:
+            session = _OPEN[key] = _new_session(ort, model_path, providers, threads, spinning, "")
+        return session
+
+
+def _new_session(ort, model_path: str, providers: Sequence[str], threads: int, spinning: str, profile_prefix: str):
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads or os.cpu_count() or 1
+    opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if spinning not in SPINNING:
-        raise BackendError(f"spinning {spinning!r}: expected one of {sorted(SPINNING)}")
     spin, stop = SPINNING[spinning]
     opts.add_session_config_entry("session.intra_op.allow_spinning", spin)
     opts.add_session_config_entry("session.force_spinning_stop", stop)

@@ -1,5 +1,6 @@
 """A bundle exported for ONNX Runtime serves the same requests as on the numpy reference: the target and
 the draft model run as ONNX graphs on one KV arena, and greedy speculative output equals plain decoding."""
+import os
 import shutil
 
 import pytest
@@ -50,3 +51,40 @@ def test_the_default_backend_is_onnx_where_onnxruntime_is_installed_and_the_bund
     """numpy_ref is the slow oracle: a plain request runs on ONNX Runtime unless the oracle is asked for."""
     assert Session.open(onnx_bundle, drafter="none", max_context=64).backend_name == "onnx"
     assert Session.open(onnx_bundle, drafter="none", backend="numpy_ref", max_context=64).backend_name == "numpy_ref"
+
+
+def test_sessions_of_one_bundle_share_each_graphs_onnx_runtime_session_and_keep_their_own_caches(onnx_bundle):
+    """Two Sessions of one bundle (the bench's plain decoding and a drafter's configuration, a node reconfigured)
+    run the target on one ORT session (one copy of the weights, one thread pool: neither is faster for where its
+    copy landed), each with its own bindings and KV arena: interleaved, each emits what it emits alone."""
+    alone = {d: [Session.open(onnx_bundle, drafter=d, backend="onnx", max_context=256).generate(
+        p, GenerationParams(max_tokens=16)).token_ids for p in PROMPTS] for d in ("none", "draft_model")}
+    plain = Session.open(onnx_bundle, drafter="none", backend="onnx", max_context=256)
+    spec = Session.open(onnx_bundle, drafter="draft_model", backend="onnx", max_context=256)
+    assert plain.target.session is spec.target.session
+    assert plain.arena is not spec.arena
+    for i, prompt in enumerate(PROMPTS):  # a request of each, in turns, twice
+        for _ in range(2):
+            assert plain.generate(prompt, GenerationParams(max_tokens=16)).token_ids == alone["none"][i]
+            assert spec.generate(prompt, GenerationParams(max_tokens=16)).token_ids == alone["draft_model"][i]
+    assert alone["none"] == alone["draft_model"]  # greedy: speculation changes nothing
+    plain.close()
+    assert spec.generate(PROMPTS[0], GenerationParams(max_tokens=16)).token_ids == alone["none"][0]
+    # a profiled session is its own (ORT's profiler writes per session)
+    from runtime.backends.onnx_net import open_session
+    path = spec.target.model_path
+    assert open_session(path, threads=spec.target.threads, profile_prefix="/tmp/p") is not spec.target.session
+
+
+def test_a_graph_rewritten_on_disk_opens_as_a_new_session(onnx_bundle, tmp_path):
+    from runtime.backends.onnx_net import open_session
+    src = Session.open(onnx_bundle, drafter="none", backend="onnx", max_context=64).target.model_path
+    path = str(tmp_path / os.path.basename(src))
+    for ext in ("", ".data"):
+        if os.path.isfile(src + ext):
+            shutil.copy(src + ext, path + ext)
+    first = open_session(path, threads=2)
+    assert open_session(path, threads=2) is first
+    assert open_session(path, threads=1) is not first  # other settings: another session
+    os.utime(path, ns=(1, 1))  # the file changed under the process (a re-export)
+    assert open_session(path, threads=2) is not first
