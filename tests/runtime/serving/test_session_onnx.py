@@ -53,7 +53,8 @@ def test_the_default_backend_is_onnx_where_onnxruntime_is_installed_and_the_bund
     assert Session.open(onnx_bundle, drafter="none", backend="numpy_ref", max_context=64).backend_name == "numpy_ref"
 
 
-def test_sessions_of_one_bundle_share_each_graphs_onnx_runtime_session_and_keep_their_own_caches(onnx_bundle):
+def test_sessions_of_one_bundle_share_each_graphs_onnx_runtime_session_and_keep_their_own_caches(onnx_bundle,
+                                                                                                   tmp_path):
     """Two Sessions of one bundle (the bench's plain decoding and a drafter's configuration, a node reconfigured)
     run the target on one ORT session (one copy of the weights, one thread pool: neither is faster for where its
     copy landed), each with its own bindings and KV arena: interleaved, each emits what it emits alone."""
@@ -73,7 +74,7 @@ def test_sessions_of_one_bundle_share_each_graphs_onnx_runtime_session_and_keep_
     # a profiled session is its own (ORT's profiler writes per session)
     from runtime.backends.onnx_net import open_session
     path = spec.target.model_path
-    assert open_session(path, threads=spec.target.threads, profile_prefix="/tmp/p") is not spec.target.session
+    assert open_session(path, threads=spec.target.threads, profile_prefix=str(tmp_path / "p")) is not spec.target.session
 
 
 def test_a_graph_rewritten_on_disk_opens_as_a_new_session(onnx_bundle, tmp_path):
