@@ -34,7 +34,6 @@ from export.drafters.trainer import DrafterTask, TargetBatch, depth_tally, soft_
 from export.zoo.model import MLP, RMSNorm, rotate_half
 
 
-
 def by_slot(got: torch.Tensor, want: torch.Tensor, slots: torch.Tensor, S: int, numbers: Dict[str, float],
             name: str, sampled: bool) -> List[Tuple[float, ...]]:
     """The block's held-out tally per slot 1 .. S-1 (`depth_tally` of the rows at that slot); slots 1, 4 and 8's
@@ -45,6 +44,7 @@ def by_slot(got: torch.Tensor, want: torch.Tensor, slots: torch.Tensor, S: int, 
             hits, n = tally[s - 1][:2]
             numbers[f"{name}_{s}"] = hits / n if n else 0.0
     return tally
+
 
 class _Attention(nn.Module):
     def __init__(self, cfg):
