@@ -229,3 +229,13 @@ def test_the_bench_opens_the_control_first_and_plain_decoding_last_and_reports_r
     assert [s.kind for s in opened] == ["none", "ngram", "draft_model", "none"]
     assert sessions[CONTROL] is opened[0] and sessions["none"] is opened[-1]  # the control first, plain last
     assert list(sessions) == list(configs) and not skipped
+
+
+def test_the_bench_fails_on_a_greedy_divergence_only_where_it_is_not_a_float_near_tie():
+    from runtime.commands.bench import exit_status
+    tie = {"identical_to_plain": False, "near_tie": {"float_tie": True, "logit_gap": 0.0}}
+    wrong = {"identical_to_plain": False, "near_tie": {"float_tie": False, "logit_gap": 0.07}}
+    assert exit_status([{"identical_to_plain": True}, tie]) == 0
+    assert exit_status([{"identical_to_plain": True}, tie, wrong]) == 1
+    assert exit_status([{"identical_to_plain": False}]) == 1  # a divergence nobody judged fails
+    assert exit_status([{"identical_to_plain": None, "skipped": "no graph"}]) == 0
