@@ -390,7 +390,9 @@ def open_order(labels) -> List[str]:
     plain session opened after 16 others ran 4.6 % [4.2-6.7] faster than one opened before them, with the same
     weights and prompts; no difference at 1 thread, with none opened between, or once the VM calmed). Plain decoding opened last gets the placement of the
     latest session, so no drafter is favoured over its baseline by this; the control, opened first, shows the
-    size of the effect (a ratio below 1.00) besides the run's noise.
+    size of the effect (a ratio below 1.00) besides the run's noise. Since every configuration's target runs on one
+    ORT session (runtime/backends/onnx_net.open_session), the order is left to the drafters' own graphs: the control
+    read 0.99-1.01x in the first runs so (BENCHMARKS.md, Z23 and R15; 0.93-0.94x before, R14).
 
     >>> open_order(["none", "ngram", "draft_model", "none (control)"])
     ['none (control)', 'ngram', 'draft_model', 'none']"""
