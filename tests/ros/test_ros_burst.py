@@ -61,11 +61,13 @@ def test_256_default_qos_clients_at_once_each_get_their_answer(tiny_bundle, ros_
     """Clients as `ros2 service call` or a plain rclpy client make them (keep last 10 answers), 8 processes of
     32: every one gets its own answer, because the node paces its answers while crowded (edgespec_ros.pacing).
     Unpaced, 9-53 of 256 got nothing: the burst of refusals pushed their answers out of their readers."""
-    # 50 ms, not the default 20: 9 client processes and the node share this machine's cores with nothing to
-    # spare, and a client process starved for 10 intervals loses an answer however the node paces (docs/ros.md)
-    got = _burst(tiny_bundle, tmp_path, 8, 12, 12, 8, "default", answer_interval_s=0.05)
+    # 100 ms (the most the parameter allows), not the default 20: 9 client processes and the node share this
+    # machine's 2 cores with nothing to spare, and a client process starved for 10 intervals loses an answer
+    # however the node paces (docs/ros.md). At 50 ms, 2-3 of 256 went unanswered in 2 of 5 full suite runs
+    # (plan / action answers once, goal answers once), never with the file run alone.
+    got = _burst(tiny_bundle, tmp_path, 8, 12, 12, 8, "default", answer_interval_s=0.1)
     assert got["unanswered"] == 0, str({**got, "refused": len(got["refused"])})
-    assert all(field == "queue" for field, _ in got["refused"]), got
+    assert all(field == "queue" for field, _ in got["refused"]), [r for r in got["refused"] if r[0] != "queue"]
     assert got["served"] + len(got["refused"]) + got["goals_rejected"] == 256
     print(f"\n256 default-QoS clients: {got['served']} served, {len(got['refused'])} refused (queue), "
           f"{got['goals_rejected']} goals rejected, {got['unanswered']} lost (discovery {got['discovery_s']} s)")

@@ -89,12 +89,18 @@ class EdgespecNode(LifecycleMixin, ServingMixin, HealthMixin, DrainMixin, Lifecy
         self._action_server = ActionServer(
             requests, Generate, request_name(self, "generate", service=False), execute_callback=self._on_generate,
             goal_callback=self._on_goal, cancel_callback=lambda _goal: CancelResponse.ACCEPT,
-            callback_group=self._action_control_group, **action_qos_kwargs())
+            callback_group=self._action_control_group, result_timeout=RESULT_KEEP_S, **action_qos_kwargs())
         self._stats_pub = self.create_publisher(DecodeStatsMsg, "~/stats", 10)
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self._diag_timer = self.create_timer(self.p.diagnostics_period_s, self._publish_diagnostics,
                                              callback_group=self._diagnostics_group)
         self.p.on_change("diagnostics_period_s", self._restart_diagnostics_timer)
+
+
+# Seconds a finished goal's result stays with the action server for a client to fetch (rclcpp's default; rclpy's
+# is 10 s): a client that fetched it later got an empty result with status UNKNOWN (the burst test's clients
+# fetch results once every goal is answered, ~10 s into a crowded burst; 3 of 256 read as refusals with no field).
+RESULT_KEEP_S = 900
 
 
 # How long a thread may hold the GIL while another waits for it (Python's default: 5 ms). The executor thread
