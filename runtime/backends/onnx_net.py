@@ -64,9 +64,10 @@ SPINNING = {"never": ("0", "0"), "run": ("1", "1"), "always": ("1", "0")}
 # of the weights and of their pre-packed forms, one thread pool. Two Sessions of one bundle (the bench's plain
 # decoding and each drafter's configuration, the node reconfigured with another drafter) then run the target on
 # the same memory and threads, so none is faster for where its copy of the weights landed: the bench's control
-# row read 0.93-0.94x plain when each opened its own (R14), 0.99-1.01x with one (Z23, R15; BENCHMARKS.md). Each caller binds its own inputs
-# and outputs (an IOBinding per backend) and ORT runs one session from several threads. A graph rewritten on
-# disk is a new key (a new session loads the new file); a session is dropped once no backend holds it.
+# row read 0.93-0.94x plain when each opened its own (R14), 0.99-1.01x with one (Z23, R15; BENCHMARKS.md). Each
+# caller binds its own inputs and outputs (an IOBinding per backend) and ORT runs one session from several
+# threads. A graph rewritten on disk is a new key (a new session loads the new file); a session is dropped once
+# no backend holds it.
 _OPEN: "weakref.WeakValueDictionary[Tuple, object]" = weakref.WeakValueDictionary()
 _OPEN_LOCK = threading.Lock()
 
