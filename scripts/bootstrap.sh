@@ -79,7 +79,7 @@ ros() {
 }
 
 bundles() {
-  local key; key=$(hash_of zoo/MANIFEST.yaml zoo/target/* zoo/draft/* zoo/medusa/* zoo/eagle1/* zoo/eagle3/* zoo/dflash/* zoo/dflash2/* export/bundle/*.py runtime/model/bundle.py export/onnx/*.py export/drafters/medusa.py export/drafters/eagle.py export/drafters/dflash.py export/drafters/*_onnx.py export/drafters/registry.py export/drafters/kinds/*.py)  # every file the bundle's build reads
+  local key; key=$(hash_of zoo/MANIFEST.yaml zoo/target/* zoo/draft/* zoo/medusa/* zoo/eagle1/* zoo/eagle3/* zoo/dflash/* zoo/dflash2/* export/bundle/*.py runtime/model/bundle.py export/onnx/*.py export/drafters/medusa.py export/drafters/eagle.py export/drafters/dflash.py export/drafters/*_onnx.py export/drafters/*_kstep.py export/drafters/registry.py export/drafters/kinds/*.py)  # every file the bundle's build reads
   if [ ! -f zoo/MANIFEST.yaml ]; then echo "== bootstrap: no zoo/ in this checkout; skipping the bundle"; return; fi
   if stamp_ok bundles "$key" && [ -f build/bundles/zoo/bundle.yaml ]; then echo "== bootstrap: zoo bundle up to date"; return; fi
   step "building the zoo bundle (build/bundles/zoo) from zoo/"

@@ -24,8 +24,9 @@ class KStepEagleGraph(head_kstep.KStepHeadGraph):
             self.register_buffer("draft_ids", torch.from_numpy(np.asarray(ids, np.int64)), persistent=False)
 
     def step(self, input_ids, features, position_ids, attention_mask, past_key, past_value):
-        logits, hidden, k, v = self.head(input_ids, features, position_ids, attention_mask, past_key, past_value)
-        row = logits[-1].float()
+        logits, hidden, k, v = self.head(input_ids, features, position_ids, attention_mask, past_key, past_value,
+                                         last_only=True)  # the catch-up's other rows need no logits
+        row = logits[0].float()
         if self.mapped:
             row = torch.full((self.vocab,), self.unmapped).scatter(0, self.draft_ids, row)
         return row, hidden, k, v

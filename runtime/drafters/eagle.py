@@ -291,10 +291,16 @@ class EagleDrafter(Drafter):
             out = self._layer(features, tokens, positions, mask, start)
             return out, self._logits(out[-1:] if last_only else out)
 
+        t = len(tokens)
+        rows_input = self.net is not None and "logit_rows" in self.net.input_names  # not in an older export
+
         def feeds(start: int) -> Dict[str, np.ndarray]:
-            return {"input_ids": np.asarray(tokens, np.int64), "features": np.asarray(features, np.float32),
-                    "position_ids": np.asarray(positions, np.int64),
-                    "attention_mask": np.where(mask, np.float32(0.0), np.float32(-np.inf))}
+            f = {"input_ids": np.asarray(tokens, np.int64), "features": np.asarray(features, np.float32),
+                 "position_ids": np.asarray(positions, np.int64),
+                 "attention_mask": np.where(mask, np.float32(0.0), np.float32(-np.inf))}
+            if rows_input:  # a catch-up's logits: its last row's alone
+                f["logit_rows"] = np.arange(t - 1, t) if last_only else np.arange(t)
+            return f
 
         def from_graph(got: Dict[str, np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
             logits = got["logits"]

@@ -109,3 +109,25 @@ def test_the_export_check_scales_its_tolerance_by_the_output_so_a_trained_heads_
     assert eagle_onnx._scaled_error(logits + np.float32(2e-3), logits) <= eagle_onnx.TOLERANCE
     unit = np.array([0.5, -0.25], np.float32)  # unit scale: the same error is absolute, and too big
     assert eagle_onnx._scaled_error(unit + np.float32(2e-3), unit) > eagle_onnx.TOLERANCE
+
+
+def test_a_catch_up_asks_the_graph_for_its_last_rows_logits_alone(onnx_bundle):
+    """A catch-up (a new prompt, a probe after plain steps) runs T rows and reads the last row's logits: the graph
+    computes only the rows `logit_rows` names, and they equal numpy's."""
+    from runtime.model.layers import causal_mask
+
+    b = bundle_io.load(onnx_bundle)
+    drafter, _ = eagle_onnx.bundle_heads(b, load_weights(b, b.target_files("numpy_ref").files))["eagle3"]
+    net = OnnxNet(b.path("onnx/drafter.eagle3.fp32.onnx"))
+    assert "logit_rows" in net.input_names
+    feats = np.random.default_rng(1).standard_normal((6, drafter.spec.hidden_size)).astype(np.float32)
+    tokens, kv = [3, 9, 4, 7, 1, 5], np.zeros((0, drafter.spec.num_kv_heads, drafter.spec.head_dim), np.float32)
+    feeds = {"input_ids": np.array(tokens), "features": feats, "position_ids": np.arange(6),
+             "attention_mask": np.zeros((6, 6), np.float32), "past_key": kv, "past_value": kv}
+    assert net.run({**feeds, "logit_rows": np.array([5])})["logits"].shape == (1, drafter.head.shape[0])
+    got = []
+    for runner in (None, net):  # numpy, then the graph: the same last row over the target's vocabulary
+        drafter.cache.reset()
+        drafter.net = runner
+        got.append(drafter._step(feats, tokens, np.arange(6), causal_mask(0, 6), last_only=True)[1])
+    assert got[1].shape == (1, drafter.vocab) and np.abs(got[0] - got[1]).max() < 1e-4
