@@ -175,6 +175,9 @@ class AdaptivePolicy:
     probe_depth: int = 2
     probe_max: int = 1024
     probe_share: Optional[float] = 0.01  # None: the doubling rule alone sets the wait, whatever a probe costs
+    # The longest run of plain steps the engine takes without asking (`plain_run`): each run's end costs a policy
+    # lookup and a drafter's catch-up bookkeeping (~0.1 ms per end on the zoo); 64 leaves one or two per request
+    plain_run_most: int = 64
     # A template's first probe: after `probe_every` idle cycles (False), or after the wait `probe_share` gives a
     # probe of what the cost model says one costs (True: a tuned policy, whose costs were measured on this machine)
     first_probe_from_cost: bool = False
@@ -252,20 +255,21 @@ class AdaptivePolicy:
         self._handed[key] = b
         return b
 
-    def plain_run(self, key: str, most: int = 16) -> int:
+    def plain_run(self, key: str, most: Optional[int] = None) -> int:
         """After a cycle `budget(key)` gave nothing: how many of the template's next cycles are sure to get
-        nothing too (no probe falls due before them), at most `most`. The engine runs them as plain steps without
-        asking `budget` and `observe` each cycle and reports them in one `skip`, so that a drafter which does not
-        pay there costs what it costs to hold, not a policy lookup a token (on the zoo those lookups, run on
-        caches the target's forward has just evicted, cost 1-2 % of a plain step). `most` bounds how long a depth
-        search the verify scale would start waits. History only, as `budget`; 0 where each cycle's timing is
-        learnt from (`learn_costs`).
+        nothing too (no probe falls due before them), at most `most` (default `plain_run_most`). The engine runs
+        them as plain steps without asking `budget` and `observe` each cycle and reports them in one `skip`, so
+        that a drafter which does not pay there costs what it costs to hold, not a policy lookup a token (on the
+        zoo those lookups, run on caches the target's forward has just evicted, cost 1-2 % of a plain step).
+        `most` bounds how long a depth search the verify scale would start waits. History only, as `budget`; 0
+        where each cycle's timing is learnt from (`learn_costs`).
 
         >>> p = AdaptivePolicy(CostModel(((1, 1.0), (2, 2.0))), 4, prior=0.1, probe_share=None)
         >>> p.budget("action/greedy"), p.plain_run("action/greedy")  # idle 1 of 16: the probe is 15 cycles off
         (0, 14)"""
         if self.learn_costs or self._best.get(key) != 0 or self._handed.get(key):
             return 0
+        most = self.plain_run_most if most is None else most
         if not self.probe_every:
             return most
         return max(0, min(most, self.interval.get(key, self.probe_every) - self.idle.get(key, 0) - 1))
@@ -285,8 +289,15 @@ class AdaptivePolicy:
         self.idle[key] = self.idle.get(key, 0) + len(verify_s)
         self.skipped += len(verify_s)
         if self.scale_costs and not self.learn_costs:
-            for seconds in verify_s:
-                self._rescale(1, seconds, 0, 0.0)
+            # _rescale's verify half, step by step in local variables (a run's steps come in at once, and the
+            # depths they would make stale are not read before it ends): one check of the scale at the end
+            w, modelled, scale = self.scale_weight, self.cost.verify_s(1), self._scale[0]
+            if modelled > 0:
+                for seconds in verify_s:
+                    if seconds > 0:
+                        scale += w * (min(4.0, max(0.25, seconds / modelled)) - scale)
+            self._scale[0] = scale
+            self._rescale(1, 0.0, 0, 0.0)  # moves nothing: forgets the searched depths if the scale moved enough
 
     def probe_wait(self, key: str) -> int:
         """The fewest idle cycles before the template's next probe: `probe_every`, or more where a probe would
