@@ -23,6 +23,7 @@ on an uncertain token, EAGLE-2's tree keeps the nodes it earns and a DFlash bloc
 paying. Every drafter asks the same rule through `DraftContext.stop`."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -45,6 +46,9 @@ def expected_tokens(alphas: Sequence[float]) -> float:
     return total
 
 
+TABLE_ROWS = 129  # verify rows CostModel.verify_s keeps a table of (a draft of 128 nodes and its root)
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Seconds of one verify forward of n rows (`verify[(n, seconds)]`, measured at n = 1 and a few more) and of
@@ -56,12 +60,21 @@ class CostModel:
 
     def verify_s(self, n: int) -> float:
         """Piecewise-linear in n through the measured points, extended past the last one with the last slope
-        (or flat when only one point is known).
+        (or flat when only one point is known); read from a table up to TABLE_ROWS rows (the adaptive rule asks
+        ~20 times a drafting cycle).
 
         >>> CostModel(((1, 1.0), (5, 2.0))).verify_s(3)
         1.5
         >>> CostModel(((1, 1.0), (5, 2.0))).verify_s(9)
         3.0"""
+        table = self._table
+        return table[n] if 0 <= n < len(table) else self._interpolate(n)
+
+    @functools.cached_property
+    def _table(self) -> Tuple[float, ...]:
+        return tuple(self._interpolate(n) for n in range(TABLE_ROWS))
+
+    def _interpolate(self, n: int) -> float:
         pts = self.verify
         if n <= pts[0][0]:
             return pts[0][1]
@@ -101,8 +114,12 @@ def best_depth(alphas: Sequence[float], cost: CostModel, k_max: int) -> int:
     >>> best_depth([0.8] * 8, CostModel(((1, 1.0), (9, 1.1)), draft_per_node=0.15), 8)
     4"""
     best_k, best = 0, rate(alphas, cost, 0)
+    tokens, reach, last = 1.0, 1.0, 0.0  # rate(alphas, cost, k) for k = 1, 2, ... in one pass
     for k in range(1, k_max + 1):
-        r = rate(alphas, cost, k)
+        last = alphas[k - 1] if k <= len(alphas) else last  # alphas past the end repeat the last one
+        reach *= last
+        tokens += reach
+        r = tokens / cost.cycle_s(k)
         if r > best * (1 + 1e-9):
             best_k, best = k, r
     return best_k
@@ -200,11 +217,16 @@ class AdaptivePolicy:
     # scaled cost model, cycles], decayed by
     # `realized_decay` a cycle. The depth search trusts the chain formula, but the per-node rule may keep far fewer
     # nodes than it plans for (or none, after the drafter's fixed cost is paid): once `realized_min` cycles say
-    # drafting earns less than `realized_floor` of plain steps' rate, the template drafts nothing but probes.
+    # drafting earns less than `realized_floor` of plain steps' rate and has lost `realized_loss` steps' time by it,
+    # the template drafts nothing but probes.
     realized: Dict[str, List[float]] = field(default_factory=dict)
     realized_decay: float = 0.9
     realized_min: float = 4.0
     realized_floor: float = 0.97  # (a clear loss: the rule's own plan keeps a near-even template drafting)
+    # ... and a loss worth a veto: the decayed cycles lost at least this many plain steps' time. A drafter whose
+    # misses cost next to nothing (an n-gram lookup that finds no match: ~3 % of a zoo step) keeps looking
+    # through a request's first, unmatched cycles instead of being parked before its matches come.
+    realized_loss: float = 2.0
     _handed: Dict[str, int] = field(default_factory=dict)  # the budget the template's last cycle got
     _kept: Dict[str, int] = field(default_factory=dict)  # ... and the nodes it drafted (observe_nodes)
     # Per-node early stopping (NodeRule): where drafting pays, the drafter gets k_max nodes and keeps each only
@@ -337,7 +359,8 @@ class AdaptivePolicy:
             k = best_depth(alphas, cost, self.k_max)
             tokens, steps, cycles = self.realized.get(key, (0.0, 0.0, 0.0))
             self._vetoed.pop(key, None)
-            if k > 0 and cycles >= self.realized_min and tokens / steps < self.realized_floor:
+            if (k > 0 and cycles >= self.realized_min and tokens / steps < self.realized_floor
+                    and steps - tokens >= self.realized_loss):
                 self._vetoed[key] = k  # planned to pay, measured not to: plain steps and probes of the planned
                 k = 0  # shape (`budget`), timed at the cost model, until the drafts earn again
                 if key in self._lifted:  # a lifted veto that did not hold: probe half as often as then
