@@ -23,8 +23,11 @@ on an uncertain token, EAGLE-2's tree keeps the nodes it earns and a DFlash bloc
 paying. Every drafter asks the same rule through `DraftContext.stop`."""
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -217,16 +220,17 @@ class AdaptivePolicy:
     # scaled cost model, cycles], decayed by
     # `realized_decay` a cycle. The depth search trusts the chain formula, but the per-node rule may keep far fewer
     # nodes than it plans for (or none, after the drafter's fixed cost is paid): once `realized_min` cycles say
-    # drafting earns less than `realized_floor` of plain steps' rate and has lost `realized_loss` steps' time by it,
-    # the template drafts nothing but probes.
+    # drafting earns less than `realized_floor` of plain steps' rate, losing `realized_loss` of a step a cycle by
+    # it, the template drafts nothing but probes.
     realized: Dict[str, List[float]] = field(default_factory=dict)
     realized_decay: float = 0.9
     realized_min: float = 4.0
     realized_floor: float = 0.97  # (a clear loss: the rule's own plan keeps a near-even template drafting)
-    # ... and a loss worth a veto: the decayed cycles lost at least this many plain steps' time. A drafter whose
-    # misses cost next to nothing (an n-gram lookup that finds no match: ~3 % of a zoo step) keeps looking
-    # through a request's first, unmatched cycles instead of being parked before its matches come.
-    realized_loss: float = 2.0
+    # ... and a loss worth a veto: the drafting cycles lost at least this share of a plain step each, on average. A
+    # drafter whose misses cost next to nothing (an n-gram lookup that finds no match: ~5 % of a zoo step, policy
+    # included) keeps looking through a request's first, unmatched cycles instead of being parked before its
+    # matches come; an EAGLE-3 tree that earns 2.9 tokens in 3.2 steps' time (0.25 lost a cycle) is vetoed.
+    realized_loss: float = 0.1
     _handed: Dict[str, int] = field(default_factory=dict)  # the budget the template's last cycle got
     _kept: Dict[str, int] = field(default_factory=dict)  # ... and the nodes it drafted (observe_nodes)
     # Per-node early stopping (NodeRule): where drafting pays, the drafter gets k_max nodes and keeps each only
@@ -360,7 +364,7 @@ class AdaptivePolicy:
             tokens, steps, cycles = self.realized.get(key, (0.0, 0.0, 0.0))
             self._vetoed.pop(key, None)
             if (k > 0 and cycles >= self.realized_min and tokens / steps < self.realized_floor
-                    and steps - tokens >= self.realized_loss):
+                    and steps - tokens >= self.realized_loss * cycles):
                 self._vetoed[key] = k  # planned to pay, measured not to: plain steps and probes of the planned
                 k = 0  # shape (`budget`), timed at the cost model, until the drafts earn again
                 if key in self._lifted:  # a lifted veto that did not hold: probe half as often as then
@@ -386,7 +390,7 @@ class AdaptivePolicy:
         rule = self._rules.get(key)
         if rule is None:
             cost = self.current_cost()
-            reach = tuple(np.cumprod(self.tracker(key).alphas(self.k_max)).tolist())
+            reach = tuple(itertools.accumulate(self.tracker(key).alphas(self.k_max), operator.mul))
             rule = self._rules[key] = NodeRule.make(cost, self.calibration(key),
                                                     self._rate.get(key) or 1.0 / cost.verify_s(1), self.k_max, reach)
         return rule
@@ -545,8 +549,9 @@ class Calibration:
         """One cycle's drafted nodes: their path confidences and whether each was accepted."""
         if len(confidence) == 0:
             return
-        bins = np.clip(np.searchsorted(self.edges, confidence, side="right") - 1, 0, len(self.drafted) - 1)
-        for b, a in zip(bins.tolist(), accepted):
+        last, edges = len(self.drafted) - 1, self.edges
+        for c, a in zip(confidence, accepted):  # a handful of nodes: bisect, not numpy's per-call cost
+            b = min(max(bisect.bisect_right(edges, float(c)) - 1, 0), last)
             self.drafted[b] += 1.0
             self.accepted[b] += float(bool(a))
         self._table = None
@@ -573,9 +578,20 @@ class Calibration:
         return self._table
 
     def __call__(self, confidence):
-        """Calibrated acceptance of a node of this path confidence (a float, or an array of them)."""
+        """Calibrated acceptance of a node of this path confidence (a float, or an array of them): linear between
+        the bin centres, flat beyond the outer ones (np.interp's rule; a float is interpolated without numpy, the
+        per-node rule asks once a node)."""
         xs, ys = self.table()
-        return np.interp(confidence, xs, ys)
+        if isinstance(confidence, np.ndarray):
+            return np.interp(confidence, xs, ys)
+        c = float(confidence)
+        i = bisect.bisect_right(xs, c)
+        if i == 0:
+            return ys[0]
+        if i == len(xs):
+            return ys[-1]
+        x0, x1 = xs[i - 1], xs[i]
+        return ys[i - 1] + (ys[i] - ys[i - 1]) * (c - x0) / (x1 - x0)
 
     def to_dict(self) -> Dict[str, List[float]]:
         return {"edges": list(self.edges), "drafted": [round(x, 3) for x in self.drafted],
@@ -589,6 +605,7 @@ class Calibration:
             raise ValueError(f"{where}: expected edges, drafted and accepted lists of numbers ({exc})") from None
 
 
+@functools.lru_cache(maxsize=64)  # a policy's cost model moves only when a scale does: one hull per model
 def marginal_verify(cost: CostModel, k_max: int) -> Tuple[float, ...]:
     """Seconds the (n + 1)-th drafted node adds to the verify, n = 0 .. k_max - 1, read off the lower convex hull
     of verify(1 .. k_max + 1): a one-off jump (on a CPU, 2 rows leave the matrix-vector path and cost far more

@@ -148,10 +148,16 @@ class NgramDrafter(Drafter):
         if len(branches) == 1 and ctx.stop is not None:  # a chain: kept while the rule says its nodes pay
             own = [self.confidence(n)] * len(branches[0])
             branches = [branches[0][:ctx.stop.keep_chain([None] * len(own), own, True)]]
+        if len(branches) == 1 and branches[0]:  # a chain (most proposals), built at once
+            chain = branches[0][:ctx.max_nodes]
+            depth = np.arange(1, len(chain) + 1)
+            # path confidence: the own confidence to the node's depth
+            conf = self.confidence(n) ** depth.astype(np.float64) if ctx.wants_confidence else None
+            return DraftTree(tokens=np.asarray(chain, np.int64), parents=depth - 2, confidence=conf)
         tree = tree_from_branches(branches)
         if len(tree) > ctx.max_nodes:
             tree = tree_from_branches(branches[:1])
-        if ctx.wants_confidence and len(tree):  # path confidence: the own confidence to the node's depth
+        if ctx.wants_confidence and len(tree):
             tree = replace(tree, confidence=self.confidence(n) ** tree.depths().astype(np.float64))
         return tree
 

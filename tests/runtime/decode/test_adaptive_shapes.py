@@ -358,10 +358,10 @@ def cycles_before_a_veto(miss_s: float, **kw) -> Optional[int]:
 
 
 def test_a_veto_needs_a_loss_worth_it_so_a_drafter_whose_misses_are_nearly_free_keeps_looking():
-    """Empty proposals at 5 % of a step each run at 0.95x plain (below the 0.97 floor) but lose a fraction of a step
-    in all: the template keeps drafting, so the matches that come later in a request are proposed. Control: misses
-    at 60 % of a step lose the 2 steps of `realized_loss` within a few cycles and veto the template; and without
-    the loss rule (the floor alone) the nearly free misses veto it as soon as their evidence counts."""
+    """Empty proposals at 5 % of a step each run at 0.95x plain (below the 0.97 floor) but lose less than the 10 % of
+    a step a cycle that `realized_loss` asks of a veto: the template keeps drafting, so the matches that come later
+    in a request are proposed. Control: misses at 60 % of a step veto it as soon as their evidence counts (four
+    cycles, decayed); and without the loss rule (the floor alone) so do the nearly free misses."""
     assert cycles_before_a_veto(0.05) is None
     assert 4 <= cycles_before_a_veto(0.6) <= 6
     assert cycles_before_a_veto(0.05, realized_loss=0.0) == 5  # (four cycles of evidence, decayed 0.9 a cycle)
