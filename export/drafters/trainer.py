@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from export.drafters.data import DOMAINS
 from export.drafters.heldout import evaluate, plateaued, write_curve
 from export.drafters.parallel import Dist
+from runtime.errors import ConfigError
 from export.training import lr_at, save_checkpoint  # noqa: F401 (the schedule and checkpoints every loop shares)
 
 
@@ -372,8 +373,11 @@ def train(task: DrafterTask, target, data: Optional[Dict[str, list]], cfg: Train
     if resume and os.path.exists(ckpt):
         st = torch.load(ckpt, weights_only=True, map_location=dist.device)  # our own file; plain tensors and numbers
         if st.get("kind") != task.kind or _same_run(st.get("config")) != _same_run(_plain(cfg)):
-            raise ValueError(f"{ckpt}: a checkpoint of another run ({st.get('kind')}, {st.get('config')}); "
-                             "resume with the same settings or start afresh without --resume")
+            was, now = _same_run(st.get("config")) or {}, _same_run(_plain(cfg))
+            differ = [f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
+            what = f"kind {st.get('kind')} -> {task.kind}" if st.get("kind") != task.kind else ", ".join(differ)
+            raise ConfigError(f"{ckpt}: a checkpoint of another run ({what}); resume (or --snapshot) with the run's "
+                              "own settings, or start afresh without --resume")
         task.load_state_dict(st["task"])
         opt.load_state_dict(st["opt"])
         start, elapsed = int(st["step"]), float(st["elapsed"])

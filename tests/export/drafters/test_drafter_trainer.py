@@ -6,6 +6,8 @@ import os
 
 import numpy as np
 import pytest
+
+from runtime.errors import ConfigError
 import torch
 
 from export.drafters.medusa import medusa_task, read_medusa
@@ -57,7 +59,7 @@ def test_a_resumed_run_with_other_settings_is_refused(tmp_path):
     target = tiny_target()
     task = medusa_task(target, num_heads=2, num_layers=1)
     other = TrainConfig(**{**CFG.__dict__, "lr": 1e-2})
-    with pytest.raises(ValueError, match="checkpoint of another run"):
+    with pytest.raises(ConfigError, match=r"checkpoint of another run \(lr 0\.00\d+ -> 0\.01\)"):  # one line, named
         train(task, target, tiny_data(), other, str(tmp_path), resume=True, log=lambda _m: None)
 
 
