@@ -13,7 +13,9 @@ tokenizer.json), read with the bundle's reader. It runs teacher-forced over the 
 learns the target's own next-token distributions: its top --top-k logits and the mass of all the others as one
 more outcome (KL over both, so a drafter learns to leave the rest what the target does: what sampling at T > 0
 draws from; export/drafters/trainer.py soft_cross_entropy). The rows are, by default, the zoo's
-domains (robot planner, action tokens, Shakespeare; tokenized with the target's tokenizer), or with --data FILE
+domains (robot planner, action tokens, Shakespeare; tokenized with the target's tokenizer: the generators'
+example texts, or with --zoo-data answers their prompts in the target's prompt format answered by the target
+itself, the text a drafter is asked to guess when it serves), or with --data FILE
 the user's prompts or chats (JSONL, one {"prompt": ...} or {"messages": [{"role", "content"}, ...]} a line),
 rendered with the target's own chat template as the bundle renders requests and answered by the target itself
 (--samples continuations each: the first greedy, the rest sampled at T = 1).
@@ -39,8 +41,8 @@ What a real run needs: the zoo's heads train in minutes on 2 CPU cores. A robot-
 GPU job: the EAGLE papers train on about 68K ShareGPT dialogues (EAGLE-1; EAGLE-3 adds UltraChat-200K, i.e.
 ~100-500 M tokens) and report 1-2 days on 4 A100s for 7-70 B targets, i.e. on the order of 100 GPU-hours; a
 1-2 B target takes a fraction of that (~10-20 GPU-hours). Here that means:
-  data    a --data file of 50-250K prompts or chats. The target answers each prompt here one at a time (batch 1,
-          KV cache, eager torch): fine for a few thousand; for more, have a serving engine run the SAME target
+  data    a --data file of 50-250K prompts or chats. The target answers the prompts here in batches of 32
+          (KV cache, eager torch): fine for tens of thousands; for more, have a serving engine run the SAME target
           over the prompts and pass its chats with --keep-answers (the rows are then its answers as given);
   cache   rows x seq-len x (2 x taps x hidden + 6 x top-k) bytes in fp16 (EAGLE-3 on an 8 B target: ~33 KB a
           token, ~3.3 TB per 100 M tokens): cache a subset with --cache-rows, or pass --no-cache;
@@ -107,14 +109,18 @@ def register(sub) -> None:
                    help="--data: train on the chats' own assistant turns (answers the target wrote elsewhere, e.g. "
                         "with a serving engine) instead of having the target answer here")
     p.add_argument("--samples", type=int, default=2,
-                   help="--data: the target's continuations per prompt, the first greedy, the rest sampled at T=1 "
+                   help="--data, --zoo-data answers: the target's continuations per prompt, the first greedy, the rest sampled at T=1 "
                         "(default 2)")
-    p.add_argument("--gen-tokens", type=int, help="--data: tokens the target writes per continuation at most "
+    p.add_argument("--gen-tokens", type=int, help="--data, --zoo-data answers: tokens the target writes per continuation at most "
                                                   "(default --seq-len)")
     p.add_argument("--zoo-examples", type=int,
                    help="zoo domains: planner examples (action: 2/5 of it, text: 3/20; default 20000)")
     p.add_argument("--zoo-domains", default="planner,action,text",
                    help="zoo domains used without --data, comma-separated (default planner,action,text)")
+    p.add_argument("--zoo-data", default="examples", choices=("examples", "answers"),
+                   help="zoo domains without --data: 'examples' trains on the generators' example texts (default), "
+                        "'answers' on their prompts answered by the target itself (--samples, --gen-tokens), the "
+                        "text the drafter will be asked to guess")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto: cuda when there is a GPU)")
     p.add_argument("--top-k", type=int, default=64,
                    help="the target's distribution kept as its top-k logits and the rest's total mass (default 64; "
@@ -171,6 +177,9 @@ def _check(args) -> None:
         raise ConfigError(f"--target {args.target}: no config.json there; give the target's HF directory")
     if not os.path.isfile(os.path.join(args.target, "tokenizer.json")):
         raise ConfigError(f"--target {args.target}: no tokenizer.json there; the data is tokenized with it")
+    if args.data and args.zoo_data != "examples":
+        raise ConfigError(f"--zoo-data {args.zoo_data}: the zoo's domains are not used with --data {args.data}; "
+                          "drop one of them")
     if args.data:
         from export.drafters.user_data import read_data_file
 
@@ -236,14 +245,18 @@ def run(args) -> int:
 
 
 def _data(args, cfg, target, cache_dir, dist, say):
-    """The training and held-out rows: --data answered by the target, else the zoo's domains."""
-    from export.drafters.data import build_token_data, split_heldout
+    """The training and held-out rows: --data answered by the target, else the zoo's domains (their example
+    texts, or with --zoo-data answers their prompts answered by the target)."""
+    from export.drafters.data import build_answered_data, build_token_data, split_heldout
     from export.drafters.user_data import build_user_data
 
     def build():
         if args.data:
             return build_user_data(args.target, target, args.data, cache_dir, cfg.seed, args.samples,
                                    args.gen_tokens, say, keep_answers=args.keep_answers)
+        if args.zoo_data == "answers":
+            return build_answered_data(args.target, target, cache_dir, cfg.seed, cfg.n_planner, cfg.n_action,
+                                       cfg.n_text, args.samples, args.gen_tokens, say)
         return split_heldout(build_token_data(os.path.join(args.target, "tokenizer.json"), cache_dir, cfg.seed,
                                               cfg.n_planner, cfg.n_action, cfg.n_text, say))
 

@@ -75,3 +75,77 @@ def split_heldout(data: Dict[str, List[np.ndarray]], every: int = 20) -> Dict[st
         out[k] = [x for i, x in enumerate(v) if i not in held]
         out[k[:-len("_train")] + "_heldout"] = [v[i] for i in sorted(held)]
     return out
+
+
+def zoo_prompts(fmt, seed: int, n_planner: int, n_action: int, n_text: int, log=print) -> Dict[str, List[str]]:
+    """{'planner': [...], 'action': [...], 'text': [...]}: the zoo domains' requests (the generators' instructions,
+    contexts and observations; a passage's first 3-12 words) rendered in the target's prompt format `fmt`, as the
+    bundle renders them. A domain `fmt` has no template for is left out, and said."""
+    import random
+
+    from export.zoo.action_data import generate_action_examples
+    from export.zoo.planner_data import generate_planner_examples
+    from export.zoo.text_data import load_works, split_text
+    from export.zoo.train import TEXT_CACHE
+    from runtime.text.prompts import format_observation
+
+    out: Dict[str, List[str]] = {}
+    if n_planner and fmt.has("planner"):
+        out["planner"] = [fmt.render("planner", instruction=e.instruction, context=e.context)
+                          for e in generate_planner_examples(seed * 1000 + 11, n_planner)]
+    if n_action and fmt.has("action"):
+        out["action"] = [fmt.render("action", instruction=e.instruction, observation=format_observation(e.observation))
+                         for e in generate_action_examples(seed * 1000 + 13, n_action)]
+    if n_text and fmt.has("text"):
+        try:
+            passages, _ = split_text(load_works(TEXT_CACHE, quiet=False, allow_fallback=False), seed, n_text, 4)
+            rng = random.Random(seed * 1000 + 17)
+            out["text"] = [fmt.render("text", text=" ".join(p.split()[:rng.randint(3, 12)])) for p in passages]
+        except RuntimeError as exc:
+            log(f"no Shakespeare texts ({exc}); answering planner and action prompts only")
+    for d in DOMAINS:
+        if d not in out and {"planner": n_planner, "action": n_action, "text": n_text}[d]:
+            log(f"the target's prompt format has no {d} template: no {d} prompts")
+    return out
+
+
+def build_answered_data(target_dir: str, target, work: str, seed: int, n_planner: int, n_action: int, n_text: int,
+                        samples: int, max_new: int, log=print) -> Dict[str, List[np.ndarray]]:
+    """{'<domain>_train': [...], '<domain>_heldout': [...]} like `split_heldout(build_token_data(...))`, but each row is a zoo prompt (`zoo_prompts`) and the
+    TARGET's own answer: `samples` continuations each, the first greedy, the rest sampled at T = 1, up to max_new
+    tokens or an EOS token (the self-distillation of the EAGLE-3 and DFlash recipes, as `--data` does for a user's
+    prompts). The drafter then learns the text it will be asked to guess. Cached in work/ under a hash of the
+    target and the settings. Every 20th prompt is held out with all its answers (none of them trains)."""
+    from export.bundle.prompts import bundle_prompts
+    from export.drafters.target import eos_ids
+    from export.drafters.user_data import continue_prompts
+    from runtime.text.tokenizer import Tokenizer
+
+    key = f"{target.fingerprint}:{seed}:{n_planner}:{n_action}:{n_text}:{samples}:{max_new}"
+    path = os.path.join(work, f"answered-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz")
+    if os.path.exists(path):
+        z = np.load(path, allow_pickle=True)  # our own cache, written below (object arrays of int32)
+        return {k: list(z[k]) for k in z.files}
+    tok = Tokenizer(os.path.join(target_dir, "tokenizer.json"))
+    fmt, _ = bundle_prompts(target_dir, tok)
+    eos = set(eos_ids(target_dir))
+    limit = target.cfg.max_position_embeddings
+    t0 = time.time()
+    data: Dict[str, List[np.ndarray]] = {}
+    for d, texts in zoo_prompts(fmt, seed, n_planner, n_action, n_text, log).items():
+        prompts = [p for p in (tok.encode(t) for t in texts) if len(p) < limit]
+        room = [min(max_new, limit - len(p)) for p in prompts]
+        passes = []
+        for s in range(samples):
+            passes.append(continue_prompts(target, prompts, room, eos, None if s == 0 else seed * 1_000_003 + s,
+                                           batch=128))
+            log(f"zoo {d} prompts answered by the target: {len(prompts)} x {s + 1} "
+                f"({sum(len(a) for a in passes[-1])} tokens this pass, {time.time() - t0:.0f} s)")
+        for n, p in enumerate(prompts):  # each prompt's answers in a row; every 20th prompt held out with all of them
+            split = f"{d}_{'heldout' if n % 20 == 19 else 'train'}"
+            data.setdefault(split, []).extend(np.asarray(p + a[n], np.int32) for a in passes)
+    os.makedirs(work, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp.npz"
+    np.savez(tmp, **{k: np.array(v + [None], dtype=object)[:-1] for k, v in data.items()})
+    os.replace(tmp, path)
+    return data

@@ -67,8 +67,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, cache: Optional[List[torch.Tensor]] = None):
-        """x (B, T, H); mask None (causal) or bool (B, 1, T, T); cache: [k, v] of earlier positions, extended in
-        place (generation: then mask must be None and T == 1 or the cache empty)."""
+        """x (B, T, H); mask None (causal) or bool (B, 1, T, S) over all S keys (cached and new); cache: [k, v] of
+        earlier positions, extended in place (with mask None: T == 1 or the cache empty)."""
         B, T, _ = x.shape
         c = self.cfg
         q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim)

@@ -108,6 +108,62 @@ def continue_prompt(target, prompt: Sequence[int], max_new: int, eos: Sequence[i
     return out
 
 
+@torch.no_grad()
+def continue_prompts(target, prompts: Sequence[Sequence[int]], max_new: Sequence[int], eos: Sequence[int],
+                     seed: int = None, batch: int = 32) -> List[List[int]]:
+    """`continue_prompt` for many prompts, `batch` at a time (greedy, or sampled at T = 1 from torch.Generator(seed)
+    when seed is given); prompt i gets up to max_new[i] tokens. Prompts of a batch are left-padded to one length:
+    a pad row attends only to itself (so it stays finite) and no real row attends to a pad; each row's positions
+    start at 0 where its own tokens start, so its continuation is the one it gets alone (up to float rounding of
+    the batched matmuls). Prompts are batched by length (sorted), the answers returned in the prompts' order."""
+    device = target.embed_tokens.weight.device
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: List[List[int]] = [[] for _ in prompts]
+    for b0 in range(0, len(order), batch):
+        idx = order[b0:b0 + batch]
+        L = max(len(prompts[i]) for i in idx)
+        pad = torch.tensor([L - len(prompts[i]) for i in idx], device=device)
+        ids = torch.tensor([[0] * (L - len(prompts[i])) + list(prompts[i]) for i in idx], device=device)
+        col = torch.arange(L, device=device)
+        real = col[None] >= pad[:, None]  # (B, L): key j is a real token of row b
+        mask = (col[None, :, None] >= col[None, None, :]) & real[:, None, :]  # causal, real keys
+        mask = (mask | torch.eye(L, dtype=torch.bool, device=device)[None])[:, None]  # a pad row sees itself
+        pos = (col[None] - pad[:, None]).clamp(min=0)
+        caches = [[] for _ in target.layers]
+        logits = _batch_step(target, ids, pos, mask, caches)
+        room = torch.tensor([max_new[i] for i in idx], device=device)
+        done = torch.zeros(len(idx), dtype=torch.bool, device=device)
+        toks = []
+        for t in range(int(room.max())):
+            if gen is None:
+                tok = logits.argmax(-1)
+            else:
+                tok = torch.multinomial(torch.softmax(logits.float().cpu(), -1), 1, generator=gen)[:, 0].to(device)
+            toks.append(tok)
+            done |= torch.isin(tok, torch.tensor(sorted(eos), dtype=tok.dtype, device=device)) | (t + 1 >= room)
+            if bool(done.all()):
+                break
+            real = torch.cat([real, torch.ones(len(idx), 1, dtype=torch.bool, device=device)], 1)
+            logits = _batch_step(target, tok[:, None], pos[:, -1:] + 1 + t, real[:, None, None, :], caches)
+        if toks:
+            cols = torch.stack(toks, 1).tolist()
+            for r, i in enumerate(idx):
+                row = cols[r][:max_new[i]]
+                ends = [n for n, x in enumerate(row) if x in eos]
+                out[i] = row[:ends[0] + 1] if ends else row
+    return out
+
+
+def _batch_step(target, ids, positions, mask, caches):
+    """One forward of (B, T) new tokens at `positions` with KV caches and an explicit mask -> last logits (B, V)."""
+    cos, sin = target.rope(positions)
+    x = target.embed_tokens(ids)
+    for layer, cache in zip(target.layers, caches):
+        x = layer(x, cos.to(x.dtype), sin.to(x.dtype), mask, cache)
+    return target.head(target.norm(x[:, -1])).float()
+
+
 def build_user_data(target_dir: str, target, data_file: str, work: str, seed: int, samples: int, max_new: int,
                     log=print, keep_answers: bool = False) -> Dict[str, List[np.ndarray]]:
     """{'data_train': [...], 'data_heldout': [...]}: prompt + target continuation rows (int32), cached in
@@ -129,22 +185,24 @@ def build_user_data(target_dir: str, target, data_file: str, work: str, seed: in
     eos = set(eos_ids(target_dir))
     t0 = time.time()
     data: Dict[str, List[np.ndarray]] = {"data_train": [], "data_heldout": []}
+    rows = []  # (split, prompt ids, answered by the target?)
     for n, messages in enumerate(examples):
         prompt = tok.encode(render(fmt, messages))
         if len(prompt) >= target.cfg.max_position_embeddings:
             raise ConfigError(f"--data {data_file}: example {n + 1} renders to {len(prompt)} tokens, more than the "
                               f"target's {target.cfg.max_position_embeddings} positions; shorten it")
-        room = min(max_new, target.cfg.max_position_embeddings - len(prompt))
         held = n % 20 == 19 or (len(examples) < 20 and n == len(examples) - 1)  # fewer: the last prompt
-        split = "data_heldout" if held and len(examples) > 1 else "data_train"
-        if messages[-1]["role"] == "assistant":  # --keep-answers: the answer as given
-            data[split].append(np.asarray(prompt, np.int32))
-            continue
-        for s in range(samples):
-            g = None if s == 0 else torch.Generator().manual_seed(seed * 1_000_003 + n * 101 + s)
-            data[split].append(np.asarray(prompt + continue_prompt(target, prompt, room, eos, g), np.int32))
-        if (n + 1) % 100 == 0:
-            log(f"--data: {n + 1}/{len(examples)} prompts answered ({time.time() - t0:.0f} s)")
+        rows.append(("data_heldout" if held and len(examples) > 1 else "data_train", prompt,
+                     messages[-1]["role"] != "assistant"))  # --keep-answers: a chat's answer as given
+    asked = [p for _, p, ask in rows if ask]
+    room = [min(max_new, target.cfg.max_position_embeddings - len(p)) for p in asked]
+    passes = []
+    for s in range(samples if asked else 0):  # batched: the first pass greedy, the others sampled
+        passes.append(iter(continue_prompts(target, asked, room, eos, None if s == 0 else seed * 1_000_003 + s)))
+        log(f"--data: {len(asked)} prompts answered x {s + 1} ({time.time() - t0:.0f} s)")
+    for split, prompt, ask in rows:
+        data[split].extend([np.asarray(prompt + next(a), np.int32) for a in passes] if ask
+                           else [np.asarray(prompt, np.int32)])
     if not data["data_heldout"]:
         data.pop("data_heldout")
     os.makedirs(work, exist_ok=True)

@@ -7,7 +7,7 @@ import torch
 
 from export.bundle.prompts import bundle_prompts
 from export.drafters.target import eos_ids, load_target
-from export.drafters.user_data import build_user_data, continue_prompt
+from export.drafters.user_data import build_user_data, continue_prompt, continue_prompts
 from runtime.text.tokenizer import Tokenizer
 from tests.support.hf_targets import save_target
 
@@ -54,3 +54,26 @@ def test_greedy_continuation_is_the_targets_argmax_at_each_step(qwen3):
     with torch.no_grad():
         logits, _ = target(torch.tensor([seq]))
     assert out == logits[0, 2:-1].argmax(-1).tolist()
+
+
+def test_batched_answers_are_the_answers_each_prompt_gets_alone(qwen3):
+    """Prompts of different lengths share a batch (left-padded): each row's greedy answer is the one it gets on its
+    own, each stops at its own limit or at an EOS token (kept), in the prompts' order."""
+    _, target, _, _ = qwen3
+    prompts = [[5, 9, 14], [7], [3, 4, 5, 6, 7, 8, 9], [11, 12], [5, 9, 14]]
+    limits = [6, 3, 5, 1, 6]
+    alone = [continue_prompt(target, p, n, eos=()) for p, n in zip(prompts, limits)]
+    assert continue_prompts(target, prompts, limits, eos=(), batch=3) == alone
+    stop = alone[2][2]  # make a token the third prompt writes an EOS: its answer ends there
+    got = continue_prompts(target, prompts, limits, eos={stop}, batch=8)
+    for row, want in zip(got, alone):
+        assert row == (want[:want.index(stop) + 1] if stop in want else want)
+
+
+def test_sampled_batched_answers_follow_the_seed(qwen3):
+    _, target, _, _ = qwen3
+    prompts = [[5, 9, 14], [7], [3, 4, 5, 6]]
+    a = continue_prompts(target, prompts, [8, 8, 8], eos=(), seed=3)
+    assert a == continue_prompts(target, prompts, [8, 8, 8], eos=(), seed=3)
+    assert a != continue_prompts(target, prompts, [8, 8, 8], eos=(), seed=4)
+    assert [len(x) for x in a] == [8, 8, 8] and a != continue_prompts(target, prompts, [8, 8, 8], eos=())
