@@ -150,10 +150,12 @@ class AcceptanceTracker:
     decay: float = 0.97
     reached: List[float] = field(default_factory=list)  # [d-1]: cycles that drafted depth d with depth d-1 accepted
     hit: List[float] = field(default_factory=list)  # [d-1]: ... and accepted depth d
+    _alphas: Dict[int, List[float]] = field(default_factory=dict, repr=False, compare=False)  # until observe
 
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
             return
+        self._alphas = {}
         self.reached = [x * self.decay for x in self.reached]
         self.hit = [x * self.decay for x in self.hit]
         while len(self.reached) < drafted:
@@ -164,6 +166,8 @@ class AcceptanceTracker:
             self.hit[d - 1] += float(accepted >= d)
 
     def alphas(self, k: int) -> List[float]:
+        if k in self._alphas:  # asked by the depth search and the per-node rule: once per observed cycle
+            return list(self._alphas[k])
         out = []
         for d in range(1, k + 1):
             seen = d <= len(self.reached)
@@ -171,7 +175,8 @@ class AcceptanceTracker:
             prior = out[-1] if out else self.prior  # a rarely drafted depth is believed to be like the one above
             w = self.prior_weight
             out.append((hit + w * prior) / (reached + w) if reached + w > 0 else prior)
-        return out
+        self._alphas[k] = out
+        return list(out)
 
 
 @dataclass
@@ -210,6 +215,8 @@ class AdaptivePolicy:
     _verify: Dict[int, float] = field(default_factory=dict)  # learnt seconds per verify rows (EMA)
     _draft: Optional[float] = None  # learnt seconds per drafted node (EMA)
     _best: Dict[str, int] = field(default_factory=dict)  # best_depth per template, until its inputs change
+    _searched: Dict[str, Tuple[int, float]] = field(default_factory=dict)  # (depth, rate) of the search, until
+    # the template's acceptance or the costs move (a proposal that kept no node moves only the veto's evidence)
     _rate: Dict[str, float] = field(default_factory=dict)  # ... and the rate it expects there
     _rules: Dict[str, "NodeRule"] = field(default_factory=dict)  # node_rule per template, until _best moves
     _probing: Dict[str, str] = field(default_factory=dict)  # the template's last budget was a probe: "short" / "full"
@@ -231,6 +238,11 @@ class AdaptivePolicy:
     # included) keeps looking through a request's first, unmatched cycles instead of being parked before its
     # matches come; an EAGLE-3 tree that earns 2.9 tokens in 3.2 steps' time (0.25 lost a cycle) is vetoed.
     realized_loss: float = 0.1
+    # ... and one cycle's timing counts at most `realized_clip` times what the scaled cost model says its shape
+    # costs: an outlier (a context switch, a collection, a shape's first run: 5 plain steps for a 1-row verify,
+    # measured on the zoo) would otherwise outweigh ten cycles of a template that pays; a drafter that really
+    # costs more than the model says still shows up to twice over, and in the scales
+    realized_clip: float = 2.0
     _handed: Dict[str, int] = field(default_factory=dict)  # the budget the template's last cycle got
     _kept: Dict[str, int] = field(default_factory=dict)  # ... and the nodes it drafted (observe_nodes)
     # Per-node early stopping (NodeRule): where drafting pays, the drafter gets k_max nodes and keeps each only
@@ -261,7 +273,7 @@ class AdaptivePolicy:
         b = 0
         if k > 0:
             self.idle[key] = 0
-            self.interval[key] = self.probe_wait(key)
+            self.interval.pop(key, None)  # the wait before a probe is set when the template next drafts nothing
             b = self.k_max if self.per_node else k
         else:
             self.idle[key] = self.idle.get(key, 0) + 1
@@ -359,8 +371,11 @@ class AdaptivePolicy:
         """The best depth of the template as its acceptance stands (0: plain steps pay best), without taking a
         cycle's budget."""
         if key not in self._best:
-            alphas, cost = self.tracker(key).alphas(self.k_max), self.current_cost()
-            k = best_depth(alphas, cost, self.k_max)
+            if key not in self._searched:
+                alphas, cost = self.tracker(key).alphas(self.k_max), self.current_cost()
+                k = best_depth(alphas, cost, self.k_max)
+                self._searched[key] = (k, rate(alphas, cost, k))
+            k, self._rate[key] = self._searched[key]
             tokens, steps, cycles = self.realized.get(key, (0.0, 0.0, 0.0))
             self._vetoed.pop(key, None)
             if (k > 0 and cycles >= self.realized_min and tokens / steps < self.realized_floor
@@ -370,7 +385,6 @@ class AdaptivePolicy:
                 if key in self._lifted:  # a lifted veto that did not hold: probe half as often as then
                     self.interval[key] = min(self.probe_max, 2 * self._lifted.pop(key))
             self._best[key] = k
-            self._rate[key] = rate(alphas, cost, k)
         return self._best[key]
 
     def calibration(self, key: str) -> Calibration:
@@ -415,9 +429,14 @@ class AdaptivePolicy:
         proposed = self._handed.pop(key, 0) > 0
         if proposed:  # the drafter ran: its fixed cost is paid even where it kept no node
             c = self.current_cost()
-            # as timed (a probe's catch-up aside: its nodes at the model's cost), in plain steps at the scaled model
-            seconds = (verify_s + draft_s if not self._probing.get(key) and verify_s > 0 else
-                       c.verify_s(nodes + 1) + c.draft_fixed + c.draft_per_node * nodes)
+            # as timed (a probe's catch-up aside: its nodes at the model's cost), in plain steps at the scaled model;
+            # a proposal that kept no node was verified as a plain step is, so its verify counts as one (the
+            # noise of a 1-row forward, +-20 % a cycle here, vetoed n-gram misses within four cycles), its
+            # drafting as timed
+            modelled = c.verify_s(nodes + 1) + c.draft_fixed + c.draft_per_node * nodes
+            timed = (verify_s if nodes else c.verify_s(1)) + draft_s
+            seconds = (min(timed, self.realized_clip * modelled)
+                       if not self._probing.get(key) and verify_s > 0 else modelled)
             steps = seconds / c.verify_s(1)
             old = self.realized.get(key, (0.0, 0.0, 0.0))
             d = self.realized_decay
@@ -429,8 +448,10 @@ class AdaptivePolicy:
             else:
                 self.realized[key] = [d * old[0] + 1.0 + accepted, d * old[1] + steps, d * old[2] + 1.0]
         if drafted > 0 or proposed:
-            self._best.pop(key, None)  # its acceptance moved
+            self._best.pop(key, None)  # its acceptance or the veto's evidence moved
             self._rules.pop(key, None)
+            if drafted > 0:
+                self._searched.pop(key, None)
         probing = bool(self._probing.pop(key, ""))
         if self.scale_costs and not self.learn_costs:
             self._rescale(verify_rows, verify_s, nodes if proposed and not probing else 0, draft_s)
@@ -444,6 +465,7 @@ class AdaptivePolicy:
         if not self.learn_costs:
             return
         self._best.clear()  # the costs move with every cycle's timing
+        self._searched.clear()
         self._rules.clear()
         old = self._verify.get(verify_rows)
         self._verify[verify_rows] = verify_s if old is None else 0.8 * old + 0.2 * verify_s
@@ -469,6 +491,7 @@ class AdaptivePolicy:
         if any(abs(s / u - 1.0) > self.rescale_step for s, u in zip(self._scale, used)):
             self._scaled = None
             self._best.clear()
+            self._searched.clear()
             self._rules.clear()
 
     def current_cost(self) -> CostModel:

@@ -367,11 +367,12 @@ def open_sessions(cfg, configs: Dict[str, str], warm_prompt: str) -> Tuple[Dict[
         session = None
         try:
             session = Session(with_shape(cfg, label, kind))
-            session.generate(warm_prompt, GenerationParams(max_tokens=4))  # warm-up (caches, allocations)
-            # ... and one cycle that surely drafts, as the ROS node warms up: an adaptive shape may draft nothing
-            # on the warm prompt, and its first probe would pay the drafter's first-run allocations (measured on
-            # the zoo: a draft model's first probe 14 ms, later ones 2.5-3 ms; 6 ms after this warm-up)
-            session.warm_up()
+            # warm-up (caches, allocations) on the first prompt, and one cycle that surely drafts, as the ROS node
+            # warms up: an adaptive shape may draft nothing on the warm prompt, and its first probe would pay the
+            # drafter's first-run allocations (measured on the zoo: a draft model's first probe 14 ms, later ones
+            # 2.5-3 ms; 6 ms after this warm-up). The adaptive rule learns from neither (their timings are first
+            # runs': the warm prompt's once vetoed the n-gram drafter on the zoo's planner prompts)
+            session.warm_up(warm_prompt)
         except EdgespecError as exc:
             if kind == "none":
                 raise

@@ -70,15 +70,18 @@ class Session(AssembledModel):
         Compiled grammars are kept for the next requests (runtime/serving/grammars.py)."""
         return self._grammars.constraint(json_schema, grammar, field)
 
-    def warm_up(self) -> DecodeStats:
+    def warm_up(self, prompt: Optional[str] = None) -> DecodeStats:
         """One short request through the configured backend and drafter, EOS masked so that a cycle with a
         draft is sure to run: a combination that cannot serve (e.g. an fp16 graph fed float32 by a drafter)
-        fails here, at start-up, instead of on every request. Also pays the backend's first-run allocations, which
-        the adaptive rule does not learn from: its state (acceptance, cost scales, vetoes) is kept as it was, since
-        a first run's costs are not this machine's (measured on the zoo: a draft model's first drafting cycle
-        5-14 ms against 2.5-3 ms later)."""
+        fails here, at start-up, instead of on every request (with `prompt`, 4 tokens after it first: a real
+        request's shapes and caches). Also pays the backend's first-run allocations, which the adaptive rule
+        does not learn from: its state (acceptance, cost scales, vetoes) is kept as it was, since a first run's
+        costs are not this machine's (measured on the zoo: a draft model's first drafting cycle 5-14 ms against
+        2.5-3 ms later; a first 1-row verify 5-6 plain steps, enough to veto a template that pays)."""
         policy = copy.deepcopy(self.engine.policy)
         try:
+            if prompt is not None:
+                self.generate(prompt, GenerationParams(max_tokens=4))
             return self._warm_up()
         finally:
             self.engine.policy = policy

@@ -218,7 +218,7 @@ def test_the_bench_opens_the_control_first_and_plain_decoding_last_and_reports_r
         def generate(self, *a, **k):
             return None
 
-        def warm_up(self):
+        def warm_up(self, prompt=None):
             return None
 
     monkeypatch.setattr(bench, "Session", FakeSession)

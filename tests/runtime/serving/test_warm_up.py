@@ -42,7 +42,7 @@ def test_the_adaptive_rule_learns_nothing_from_the_warm_up(tiny_bundle):
     cycle (several times a later one's cost) would scale drafting up as too dear. Control: a request does teach it."""
     s = Session.open(tiny_bundle, drafter="draft_model", shape="adaptive")
     try:
-        s.warm_up()
+        s.warm_up("<|bos|>hello")  # a real prompt first (as the bench warms up), then a cycle sure to draft
         after_warm_up = (dict(s.engine.policy.trackers), list(s.engine.policy._scale), dict(s.engine.policy.realized))
         s.generate("<|bos|>hello", GenerationParams(max_tokens=8))
         after_request = (dict(s.engine.policy.trackers), list(s.engine.policy._scale))
