@@ -116,19 +116,14 @@ def build_answered_data(target_dir: str, target, work: str, seed: int, n_planner
     tokens or an EOS token (the self-distillation of the EAGLE-3 and DFlash recipes, as `--data` does for a user's
     prompts). The drafter then learns the text it will be asked to guess. Cached in work/ under a hash of the
     target and the settings. Every 20th prompt is held out with all its answers (none of them trains)."""
-    from export.bundle.prompts import bundle_prompts
-    from export.drafters.target import eos_ids
-    from export.drafters.user_data import continue_prompts
-    from runtime.text.tokenizer import Tokenizer
+    from export.drafters.user_data import answering, cached_rows, continue_prompts, write_rows
 
     key = f"{target.fingerprint}:{seed}:{n_planner}:{n_action}:{n_text}:{samples}:{max_new}"
     path = os.path.join(work, f"answered-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz")
-    if os.path.exists(path):
-        z = np.load(path, allow_pickle=True)  # our own cache, written below (object arrays of int32)
-        return {k: list(z[k]) for k in z.files}
-    tok = Tokenizer(os.path.join(target_dir, "tokenizer.json"))
-    fmt, _ = bundle_prompts(target_dir, tok)
-    eos = set(eos_ids(target_dir))
+    cached = cached_rows(path)
+    if cached is not None:
+        return cached
+    tok, fmt, eos = answering(target_dir)
     limit = target.cfg.max_position_embeddings
     t0 = time.time()
     data: Dict[str, List[np.ndarray]] = {}
@@ -144,8 +139,5 @@ def build_answered_data(target_dir: str, target, work: str, seed: int, n_planner
         for n, p in enumerate(prompts):  # each prompt's answers in a row; every 20th prompt held out with all of them
             split = f"{d}_{'heldout' if n % 20 == 19 else 'train'}"
             data.setdefault(split, []).extend(np.asarray(p + a[n], np.int32) for a in passes)
-    os.makedirs(work, exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp.npz"
-    np.savez(tmp, **{k: np.array(v + [None], dtype=object)[:-1] for k, v in data.items()})
-    os.replace(tmp, path)
+    write_rows(path, data)
     return data

@@ -164,25 +164,46 @@ def _batch_step(target, ids, positions, mask, caches):
     return target.head(target.norm(x[:, -1])).float()
 
 
+def cached_rows(path: str):
+    """The rows a build_*_data wrote to `path` ({name: [int32 arrays]}), or None if it is not there."""
+    if not os.path.exists(path):
+        return None
+    z = np.load(path, allow_pickle=True)  # our own cache, written by write_rows (object arrays of int32)
+    return {k: list(z[k]) for k in z.files}
+
+
+def write_rows(path: str, data: Dict[str, List[np.ndarray]]) -> None:
+    """Atomically (torchrun: every process may build it; each renames a whole file)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp.npz"
+    np.savez(tmp, **{k: np.array(v + [None], dtype=object)[:-1] for k, v in data.items()})
+    os.replace(tmp, path)
+
+
+def answering(target_dir: str):
+    """(tokenizer, prompt format, EOS ids) with which the target's prompts are rendered and answered, as the
+    bundle renders requests."""
+    from export.bundle.prompts import bundle_prompts
+    from export.drafters.target import eos_ids
+    from runtime.text.tokenizer import Tokenizer
+
+    tok = Tokenizer(os.path.join(target_dir, "tokenizer.json"))
+    return tok, bundle_prompts(target_dir, tok)[0], set(eos_ids(target_dir))
+
+
 def build_user_data(target_dir: str, target, data_file: str, work: str, seed: int, samples: int, max_new: int,
                     log=print, keep_answers: bool = False) -> Dict[str, List[np.ndarray]]:
     """{'data_train': [...], 'data_heldout': [...]}: prompt + target continuation rows (int32), cached in
     work/ under a hash of the target, the file and the settings. keep_answers: a chat that ends in an answer is
     one row as given (no generation); the others are still answered by the target."""
-    from export.bundle.prompts import bundle_prompts
-    from export.drafters.target import eos_ids
-    from runtime.text.tokenizer import Tokenizer
-
     examples = read_data_file(data_file, keep_answers)  # refuses a malformed line before any work
     with open(data_file, "rb") as f:
         key = hashlib.sha256(f.read() + f"{target.fingerprint}:{seed}:{samples}:{max_new}:{keep_answers}".encode()).hexdigest()[:16]
     path = os.path.join(work, f"user-data-{key}.npz")
-    if os.path.exists(path):
-        z = np.load(path, allow_pickle=True)  # our own cache, written below (object arrays of int32)
-        return {k: list(z[k]) for k in z.files}
-    tok = Tokenizer(os.path.join(target_dir, "tokenizer.json"))
-    fmt, _ = bundle_prompts(target_dir, tok)
-    eos = set(eos_ids(target_dir))
+    cached = cached_rows(path)
+    if cached is not None:
+        return cached
+    tok, fmt, eos = answering(target_dir)
     t0 = time.time()
     data: Dict[str, List[np.ndarray]] = {"data_train": [], "data_heldout": []}
     rows = []  # (split, prompt ids, answered by the target?)
@@ -205,10 +226,7 @@ def build_user_data(target_dir: str, target, data_file: str, work: str, seed: in
                            else [np.asarray(prompt, np.int32)])
     if not data["data_heldout"]:
         data.pop("data_heldout")
-    os.makedirs(work, exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp.npz"
-    np.savez(tmp, **{k: np.array(v + [None], dtype=object)[:-1] for k, v in data.items()})
-    os.replace(tmp, path)
+    write_rows(path, data)
     log(f"--data {data_file}: {len(examples)} prompts, {samples} continuation(s) each by the target (first greedy, "
         f"then sampled at T = 1), {sum(len(x) for v in data.values() for x in v)} tokens in {time.time() - t0:.0f} s")
     return data
